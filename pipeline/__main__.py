@@ -1,0 +1,47 @@
+"""``python -m pipeline model=llama quant=none``: the Hydra entry point.
+
+User mistakes (bad paths, digests, recipes) print one ``error:`` line and exit with code 2;
+Ctrl-C exits with 130 and leaves no partial output (every write is staged and renamed).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from pipeline.config import register_pipeline_schemas
+from pipeline.errors import PipelineError
+from pipeline.plugins import discover_passes
+
+log = logging.getLogger("pipeline")
+
+register_pipeline_schemas()
+discover_passes()
+
+
+@hydra.main(config_path="../configs", config_name="pipeline", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from pipeline.run import run_pipeline
+    from pipeline.summary import print_summary
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    try:
+        result = run_pipeline(cfg, run_dir, list(hydra_cfg.overrides.task))
+    except PipelineError as exc:
+        log.debug("pipeline error", exc_info=True)
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted: nothing half-written was kept; rerun to resume from the cache", file=sys.stderr)
+        sys.exit(130)
+    print_summary(result.manifest, run_dir)
+
+
+if __name__ == "__main__":
+    main()

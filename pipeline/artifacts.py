@@ -1,0 +1,88 @@
+"""The three kinds of artifact that flow between passes, and their content digests.
+
+Every artifact is a folder on disk with an ``artifact.json`` naming its kind and carrying
+metadata (model shape, IO names) that later passes read instead of re-deriving it.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ARTIFACT_FILE = "artifact.json"
+_CHUNK = 1 << 20
+
+
+class Kind(enum.StrEnum):
+    TORCH = "torch"  # HF checkpoint folder (safetensors + config + tokenizer)
+    GRAPH = "graph"  # ONNX model (+ external data) + tokenizer
+    ENGINE = "engine"  # a runnable engine folder for one target
+
+    @property
+    def label(self) -> str:
+        return {"torch": "a torch model", "graph": "an ONNX graph", "engine": "an engine"}[self.value]
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """sha256 of every regular file under ``folder``, keyed by POSIX relative path."""
+    result: dict[str, str] = {}
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(root) / name
+            result[path.relative_to(folder).as_posix()] = sha256_file(path)
+    return result
+
+
+def folder_digest(folder: Path) -> str:
+    """Content digest of a folder: names and contents of all files, independent of mtimes."""
+    digest = hashlib.sha256()
+    for rel, file_hash in sorted(file_digests(folder).items()):
+        digest.update(f"{rel}\0{file_hash}\n".encode())
+    return digest.hexdigest()
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON via a temporary file and an atomic rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def write_metadata(folder: Path, kind: Kind, metadata: dict[str, Any]) -> None:
+    write_json(folder / ARTIFACT_FILE, {"kind": kind.value, "metadata": metadata})
+
+
+def read_metadata(folder: Path) -> dict[str, Any]:
+    path = folder / ARTIFACT_FILE
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text()).get("metadata", {})
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A pass input or output: its kind, where it lives, and the digest of its content."""
+
+    kind: Kind
+    path: Path
+    digest: str
+    metadata: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @classmethod
+    def from_dir(cls, kind: Kind, path: Path, digest: str | None = None) -> Artifact:
+        path = Path(path)
+        return cls(kind, path, digest or folder_digest(path), read_metadata(path))

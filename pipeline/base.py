@@ -1,0 +1,57 @@
+"""The pass contract: a structured config, a consumed and a produced artifact kind,
+``requires`` (precondition), ``run`` and ``ensures`` (postcondition), and a version.
+
+Shaped after onnx-ir's pass infrastructure (``onnx_ir/passes/_pass_infra.py``), but our passes
+move whole artifacts (a torch checkpoint, an ONNX graph, an engine folder) rather than
+in-memory IR, so they read and write folders and the manager can cache them by content.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pipeline.artifacts import Artifact, Kind
+from pipeline.errors import PassError
+
+__all__ = ["Pass", "PassError"]
+
+
+class Pass(ABC):
+    """One step of a recipe. Subclasses set the class attributes and implement ``run``.
+
+    ``Config`` is the pass's structured config (a dataclass registered in Hydra's ConfigStore
+    by :func:`pipeline.config.register_pass`); ``version`` must be bumped whenever the output
+    for the same input and config changes, so cached outputs of the old code are not reused.
+    """
+
+    Config: ClassVar[type]
+    name: ClassVar[str]
+    version: ClassVar[int] = 1
+    consumes: ClassVar[Kind]
+    produces: ClassVar[Kind]
+
+    def __init__(self, **config: Any) -> None:
+        try:
+            self.config = self.Config(**config)
+        except TypeError as exc:  # unknown keyword: a recipe key the pass does not have
+            raise PassError(f"pass '{self.name}': bad config ({exc})") from None
+
+    def config_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data, without the ``_target_`` bookkeeping key."""
+        data = dataclasses.asdict(self.config)
+        data.pop("_target_", None)
+        return data
+
+    def requires(self, source: Artifact) -> None:  # noqa: B027 - optional hook
+        """Raise :class:`PassError` if ``source`` cannot be processed. Default: accept."""
+
+    @abstractmethod
+    def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
+        """Write the output artifact into the (empty, existing) ``out_dir``; return metrics."""
+
+    def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
+        """Check the output; raise :class:`PassError` on failure; return metrics to record."""
+        return {}

@@ -1,0 +1,133 @@
+"""The pass manager: validate the whole recipe, then run each pass through the cache.
+
+Validation happens before anything runs, so ``prune`` after ``export`` is a configuration
+error at start-up, not a crash an hour in. Each pass output is looked up by content key;
+a miss runs the pass in a staging folder, checks ``ensures`` and only then commits, so a
+failed or interrupted pass leaves no entry and a rerun resumes from the last finished pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pipeline.artifacts import Artifact, Kind
+from pipeline.base import Pass
+from pipeline.cache import Cache, cache_key
+from pipeline.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PassRecord:
+    """What the run record says about one pass."""
+
+    name: str
+    pass_class: str
+    version: int
+    config: dict[str, Any]
+    input_digest: str
+    output_digest: str
+    seconds: float
+    cache_hit: bool
+    cache_key: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def validate(passes: list[Pass], source_kind: Kind, final_kind: Kind | None = Kind.ENGINE) -> None:
+    """Check that each pass consumes what the one before it produces."""
+    current, producer = source_kind, "the model source"
+    for index, step in enumerate(passes, start=1):
+        if step.consumes != current:
+            raise ConfigError(
+                f"pass #{index} '{step.name}' consumes {step.consumes.label} but receives "
+                f"{current.label} from {producer}: reorder pipeline.order or drop the pass"
+            )
+        current, producer = step.produces, f"'{step.name}'"
+    if final_kind is not None and current != final_kind:
+        raise ConfigError(
+            f"the recipe ends with {current.label} from {producer}, not {final_kind.label}: "
+            f"select a target (target=ort-cpu)"
+        )
+
+
+class PassManager:
+    def __init__(self, passes: list[Pass], cache: Cache) -> None:
+        self.passes = passes
+        self.cache = cache
+
+    def run(self, source: Artifact, on_pass_done: Any = None) -> tuple[Artifact, list[PassRecord]]:
+        validate(self.passes, source.kind)
+        records: list[PassRecord] = []
+        current = source
+        for index, step in enumerate(self.passes, start=1):
+            current, record = self._run_one(index, step, current)
+            records.append(record)
+            if on_pass_done is not None:
+                on_pass_done(record)
+        return current, records
+
+    def _run_one(self, index: int, step: Pass, source: Artifact) -> tuple[Artifact, PassRecord]:
+        config = step.config_dict()
+        key = cache_key(source.digest, step.name, step.version, config)
+        cls_path = f"{type(step).__module__}.{type(step).__qualname__}"
+        hit = self.cache.lookup(key, step.produces)
+        if hit is not None:
+            log.info("pass %d/%d %s: cache hit (%s)", index, len(self.passes), step.name, key[:12])
+            record = PassRecord(
+                name=step.name,
+                pass_class=cls_path,
+                version=step.version,
+                config=config,
+                input_digest=source.digest,
+                output_digest=hit.artifact.digest,
+                seconds=float(hit.record.get("seconds", 0.0)),
+                cache_hit=True,
+                cache_key=key,
+                metrics=hit.record.get("metrics", {}),
+            )
+            return hit.artifact, record
+
+        log.info("pass %d/%d %s: running", index, len(self.passes), step.name)
+        step.requires(source)
+        start = time.perf_counter()
+        with self.cache.stage(key) as staging:
+            out_dir = staging / "output"
+            metrics = dict(step.run(source, out_dir) or {})
+            produced = Artifact.from_dir(step.produces, out_dir)
+            metrics.update(step.ensures(source, produced) or {})
+            seconds = round(time.perf_counter() - start, 3)
+            entry = self.cache.commit(
+                key,
+                staging,
+                step.produces,
+                {
+                    "pass": step.name,
+                    "version": step.version,
+                    "config": config,
+                    "input_digest": source.digest,
+                    "output_digest": produced.digest,
+                    "seconds": seconds,
+                    "metrics": metrics,
+                },
+            )
+        log.info("pass %d/%d %s: done in %.1f s", index, len(self.passes), step.name, seconds)
+        record = PassRecord(
+            name=step.name,
+            pass_class=cls_path,
+            version=step.version,
+            config=config,
+            input_digest=source.digest,
+            output_digest=entry.artifact.digest,
+            seconds=seconds,
+            cache_hit=False,
+            cache_key=key,
+            metrics=metrics,
+        )
+        return entry.artifact, record

@@ -1,0 +1,79 @@
+"""The run record (``manifest.json``): how an engine was made and how fast it is.
+
+Schema version 1: ``source``, ``recipe`` (resolved config) and ``overrides``, ``passes``
+(name, version, config, input/output digests, seconds, cache hit, metrics), ``engine`` (files
+with sha256 and size), ``libraries``, ``host``, ``benchmark``, ``gate``.
+Bump :data:`SCHEMA_VERSION` on any incompatible change; consumers check it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import platform
+from pathlib import Path
+from typing import Any
+
+from pipeline import __version__
+from pipeline.artifacts import Artifact, file_digests, write_json
+from pipeline.bench import host_info
+from pipeline.cache import library_versions
+from pipeline.manager import PassRecord
+
+SCHEMA_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+EXTRA_LIBRARIES = ("numpy", "safetensors", "hydra-core", "gguf")
+
+
+def all_library_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "llm-pipeline": __version__, **library_versions()}
+    for name in EXTRA_LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "absent"
+    return versions
+
+
+def engine_files(folder: Path) -> list[dict[str, Any]]:
+    digests = file_digests(folder)
+    return [{"path": rel, "sha256": sha, "bytes": (folder / rel).stat().st_size} for rel, sha in digests.items()]
+
+
+def build_manifest(
+    *,
+    source: Artifact,
+    recipe: dict[str, Any],
+    overrides: list[str],
+    records: list[PassRecord],
+    engine: Artifact,
+    engine_dir: Path,
+    benchmark: dict[str, Any] | None,
+    started: dt.datetime,
+) -> dict[str, Any]:
+    finished = dt.datetime.now(dt.UTC)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created_at": finished.isoformat(timespec="seconds"),
+        "duration_seconds": round((finished - started).total_seconds(), 1),
+        "source": {"path": str(source.path), "digest": source.digest, **source.metadata},
+        "recipe": recipe,
+        "overrides": overrides,
+        "passes": [r.to_dict() for r in records],
+        "engine": {
+            "path": engine_dir.name,
+            "digest": engine.digest,
+            "target": engine.metadata.get("target"),
+            "files": engine_files(engine_dir),
+        },
+        "libraries": all_library_versions(),
+        "host": host_info(),
+        "benchmark": benchmark,
+        "gate": {"verdict": "not-run", "reason": "no eval gate configured (eval=none)"},
+    }
+
+
+def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> Path:
+    path = run_dir / MANIFEST_FILE
+    write_json(path, manifest)
+    return path

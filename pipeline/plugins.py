@@ -1,0 +1,78 @@
+"""Pass discovery and the guard on ``_target_``.
+
+``pipeline/`` never imports ``passes/`` statically: the entry point imports every module of
+the ``passes`` package once (each registers its config schema), and the manager builds passes
+from the recipe with ``hydra.utils.instantiate``. Because ``_target_`` names code to import,
+only :class:`~pipeline.base.Pass` subclasses defined under ``passes`` are accepted, so an
+override cannot make a nightly job import and run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.base import Pass
+from pipeline.errors import ConfigError
+
+PASS_PACKAGE = "passes"
+
+
+def discover_passes(package: str = PASS_PACKAGE) -> list[str]:
+    """Import every module of ``package`` so that each pass registers its config schema."""
+    root = importlib.import_module(package)
+    names = []
+    for info in pkgutil.walk_packages(root.__path__, prefix=f"{package}."):
+        importlib.import_module(info.name)
+        names.append(info.name)
+    return names
+
+
+def pass_class(target: str, where: str) -> type[Pass]:
+    """Resolve ``target`` to a Pass subclass under ``passes``, or raise a ConfigError."""
+    module_name, _, attr = target.rpartition(".")
+    if not module_name or not (module_name == PASS_PACKAGE or module_name.startswith(PASS_PACKAGE + ".")):
+        raise ConfigError(f"{where}: _target_ '{target}' is not under '{PASS_PACKAGE}.'; only passes may run")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{where}: cannot import '{module_name}' for _target_ '{target}' ({exc})") from None
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Pass)) or cls is Pass:
+        raise ConfigError(f"{where}: _target_ '{target}' is not a Pass subclass")
+    return cls
+
+
+def _pass_nodes(key: str, node: Any) -> list[tuple[str, DictConfig]]:
+    if node is None:
+        return []
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"'{key}' must be a mapping of pass configs, got {node!r}")
+    if "_target_" in node:
+        return [(key, node)]
+    found = []
+    for child_key, child in node.items():
+        if not (isinstance(child, DictConfig) and "_target_" in child):
+            raise ConfigError(
+                f"'{key}.{child_key}' is not a pass config (no _target_); choose an option of the "
+                f"'{key}' group instead"
+            )
+        found.append((f"{key}.{child_key}", child))
+    return found
+
+
+def build_passes(cfg: DictConfig) -> list[Pass]:
+    """Instantiate the passes the recipe selects, in ``pipeline.order``."""
+    passes: list[Pass] = []
+    for key in cfg.pipeline.order:
+        if key not in cfg:
+            raise ConfigError(f"pipeline.order names '{key}', which is not a config group")
+        for where, node in _pass_nodes(key, cfg[key]):
+            pass_class(str(node._target_), where)
+            plain = OmegaConf.to_container(node, resolve=True)
+            passes.append(instantiate(plain, _convert_="all"))
+    return passes

@@ -1,0 +1,102 @@
+"""One pipeline run: validate the recipe, resolve the source, run the passes through the cache,
+place the engine, benchmark it, write the run record.
+
+Everything the run writes into its output folder appears by atomic rename, so Ctrl-C or a
+crash leaves either the finished file or nothing (plus the Hydra log).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.artifacts import Artifact, Kind
+from pipeline.bench import benchmark_in_subprocess
+from pipeline.cache import Cache
+from pipeline.config import BenchConfig, ModelConfig
+from pipeline.manager import PassManager, validate
+from pipeline.manifest import build_manifest, write_manifest
+from pipeline.plugins import build_passes
+from pipeline.sources import resolve_source
+
+log = logging.getLogger(__name__)
+
+ENGINE_DIR = "engine"
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    engine_dir: Path
+    manifest_path: Path
+    manifest: dict[str, Any]
+
+
+def place_engine(engine: Artifact, run_dir: Path) -> Path:
+    """Copy the engine out of the cache into ``run_dir/engine`` (atomically)."""
+    final = run_dir / ENGINE_DIR
+    staging = run_dir / f".{ENGINE_DIR}.{os.getpid()}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        shutil.copytree(engine.path, staging)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> RunResult:
+    started = dt.datetime.now(dt.UTC)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    passes = build_passes(cfg)
+    validate(passes, Kind.TORCH)  # before any download or conversion
+
+    model_cfg = OmegaConf.to_object(cfg.model)
+    assert isinstance(model_cfg, ModelConfig)
+    source = resolve_source(model_cfg, Path(cfg.pipeline.models_dir))
+    log.info("source %s (%s)", source.path, source.digest[:12])
+
+    scratch = None
+    if cfg.pipeline.cache:
+        cache = Cache(Path(cfg.pipeline.cache_dir))
+    else:
+        scratch = Path(tempfile.mkdtemp(prefix=".work-", dir=run_dir))
+        cache = Cache(scratch, enabled=False)
+    try:
+        engine, records = PassManager(passes, cache).run(source)
+        engine_dir = place_engine(engine, run_dir)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    bench_cfg = OmegaConf.to_object(cfg.bench)
+    assert isinstance(bench_cfg, BenchConfig)
+    benchmark = None
+    if bench_cfg.enabled:
+        bench_json = run_dir / f".bench.{os.getpid()}.json"
+        try:
+            benchmark = benchmark_in_subprocess(engine_dir, bench_cfg, bench_json)
+        finally:
+            bench_json.unlink(missing_ok=True)
+
+    manifest = build_manifest(
+        source=source,
+        recipe=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),  # type: ignore[arg-type]
+        overrides=list(overrides or []),
+        records=records,
+        engine=Artifact.from_dir(Kind.ENGINE, engine_dir, engine.digest),
+        engine_dir=engine_dir,
+        benchmark=benchmark,
+        started=started,
+    )
+    return RunResult(run_dir, engine_dir, write_manifest(run_dir, manifest), manifest)

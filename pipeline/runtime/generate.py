@@ -1,0 +1,121 @@
+"""Token generation over a step function: greedy or seeded sampling, left-padded batches,
+a streaming callback, and per-step timings (TTFT = prefill, TPOT = each decode step)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 64
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    # False for benchmarks: decode exactly max_new_tokens even past an end-of-sequence token.
+    stop_at_eos: bool = True
+
+
+@dataclass
+class GenerationResult:
+    """Generated token ids per row (prompt excluded) and the wall-clock timings."""
+
+    tokens: list[list[int]]
+    prefill_seconds: float
+    step_seconds: list[float] = field(default_factory=list)
+
+
+class StepModel(Protocol):
+    def empty_cache(self, batch: int) -> Any: ...
+
+    def step(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache: Any
+    ) -> tuple[np.ndarray, Any]: ...
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stack prompts to one batch, padding on the left; return ids and attention mask."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(prompts), width), dtype=np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = prompt
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def sample_next(logits: np.ndarray, config: GenerationConfig, rng: np.random.Generator) -> np.ndarray:
+    """Pick one token per row from ``logits`` [batch, vocab]."""
+    if not config.do_sample:
+        return logits.argmax(-1).astype(np.int64)
+    scores = logits.astype(np.float64) / max(config.temperature, 1e-6)
+    if 0 < config.top_k < scores.shape[-1]:
+        kth = np.partition(scores, -config.top_k, axis=-1)[:, -config.top_k][:, None]
+        scores = np.where(scores < kth, -np.inf, scores)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    if config.top_p < 1.0:
+        order = np.argsort(-probs, axis=-1)
+        sorted_probs = np.take_along_axis(probs, order, -1)
+        keep_sorted = (np.cumsum(sorted_probs, -1) - sorted_probs) < config.top_p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, -1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(-1, keepdims=True)
+    return np.array([rng.choice(probs.shape[-1], p=row) for row in probs], dtype=np.int64)
+
+
+def generate(
+    model: StepModel,
+    prompts: Sequence[Sequence[int]],
+    config: GenerationConfig,
+    pad_id: int,
+    eos_ids: Sequence[int] = (),
+    on_tokens: Callable[[np.ndarray], None] | None = None,
+) -> GenerationResult:
+    """Decode up to ``config.max_new_tokens`` tokens for each prompt (batch, left padded)."""
+    rng = np.random.default_rng(config.seed)
+    ids, mask = left_pad(prompts, pad_id)
+    positions = np.clip(mask.cumsum(-1) - 1, 0, None)
+    cache = model.empty_cache(len(prompts))
+    eos = np.array(list(eos_ids), dtype=np.int64)
+    finished = np.zeros(len(prompts), dtype=bool)
+    generated: list[list[int]] = [[] for _ in prompts]
+    step_seconds: list[float] = []
+
+    start = time.perf_counter()
+    logits, cache = model.step(ids, mask, positions, cache)
+    prefill_seconds = 0.0
+    for index in range(config.max_new_tokens):
+        next_tokens = sample_next(logits[:, -1, :], config, rng)
+        now = time.perf_counter()
+        if index == 0:
+            prefill_seconds = now - start
+        else:
+            step_seconds.append(now - start)
+        for row, token in enumerate(next_tokens):
+            if not finished[row]:
+                generated[row].append(int(token))
+        if on_tokens is not None:
+            on_tokens(np.where(finished, -1, next_tokens))
+        if config.stop_at_eos and eos.size:
+            finished |= np.isin(next_tokens, eos)
+            if finished.all():
+                break
+        if index + 1 == config.max_new_tokens:
+            break
+        start = time.perf_counter()
+        next_tokens = np.where(finished, pad_id, next_tokens)
+        mask = np.concatenate([mask, np.ones((len(prompts), 1), dtype=np.int64)], axis=1)
+        positions = positions[:, -1:] + 1
+        logits, cache = model.step(next_tokens[:, None], mask, positions, cache)
+    return GenerationResult(generated, prefill_seconds, step_seconds)

@@ -1,0 +1,218 @@
+"""ONNX Runtime execution of our exported graphs and ``ort-cpu`` engines.
+
+The KV cache stays in ONNX Runtime's memory between steps: each step binds the previous
+step's ``present.*`` OrtValues as ``past_key_values.*`` inputs through IOBinding, so no
+per-step copy through numpy happens; logits are written straight into a numpy buffer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from pipeline.artifacts import read_metadata
+from pipeline.errors import EngineError
+from pipeline.runtime.generate import GenerationConfig, GenerationResult, generate
+
+ENGINE_FILE = "engine.json"
+SUPPORTED_TARGETS = ("ort-cpu",)
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+@dataclass(frozen=True)
+class IOSpec:
+    """Names and shapes of the decoder's inputs and outputs (ONNX Runtime GenAI convention)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    kv_dtype: str = "float32"
+    has_position_ids: bool = True
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> IOSpec:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+    def past_names(self) -> list[str]:
+        return [f"past_key_values.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
+
+    def present_names(self) -> list[str]:
+        return [f"present.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
+
+
+def session_options(threads: int = 0, optimization: str = "all") -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    if threads > 0:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+    levels = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    options.graph_optimization_level = levels[optimization]
+    options.log_severity_level = 3
+    return options
+
+
+class OrtModel:
+    """One decoder ONNX model in an ONNX Runtime session, stepped with a KV cache."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        io: IOSpec,
+        threads: int = 0,
+        optimization: str = "all",
+        providers: Sequence[str] = ("CPUExecutionProvider",),
+    ) -> None:
+        self.io = io
+        try:
+            self.session = ort.InferenceSession(
+                str(model_path), session_options(threads, optimization), providers=list(providers)
+            )
+        except Exception as exc:  # ORT raises its own pybind types (InvalidGraph, NoSuchFile, ...)
+            raise EngineError(f"ONNX Runtime cannot load {model_path} ({str(exc).splitlines()[0]})") from None
+        self._past_names = io.past_names()
+        self._present_names = io.present_names()
+        self._kv_dtype = _NP_DTYPES[io.kv_dtype]
+
+    def empty_cache(self, batch: int) -> list[ort.OrtValue]:
+        empty = np.zeros((batch, self.io.num_kv_heads, 0, self.io.head_dim), dtype=self._kv_dtype)
+        return [ort.OrtValue.ortvalue_from_numpy(empty) for _ in self._past_names]
+
+    def step(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        cache: list[ort.OrtValue],
+    ) -> tuple[np.ndarray, list[ort.OrtValue]]:
+        """Run one forward; return logits [batch, seq, vocab] and the new cache."""
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
+        if self.io.has_position_ids:
+            binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        for name, value in zip(self._past_names, cache, strict=True):
+            binding.bind_ortvalue_input(name, value)
+        logits = np.empty((*input_ids.shape, self.io.vocab_size), dtype=np.float32)
+        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        for name in self._present_names:
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        present = binding.get_outputs()[1:]
+        return logits, list(present)
+
+
+@dataclass
+class GeneratedText:
+    text: str
+    token_ids: list[int]
+
+
+class Engine:
+    """A built engine folder: the model, its tokenizer and how it was built (``engine.json``)."""
+
+    def __init__(self, folder: Path, threads: int = 0) -> None:
+        self.folder = Path(folder)
+        spec_path = self.folder / ENGINE_FILE
+        if not spec_path.is_file():
+            raise EngineError(f"{self.folder} is not an engine folder (no {ENGINE_FILE}): build one first")
+        self.spec = json.loads(spec_path.read_text())
+        target = self.spec.get("target")
+        if target not in SUPPORTED_TARGETS:
+            raise EngineError(
+                f"{spec_path} is built for target '{target}'; this runtime runs {', '.join(SUPPORTED_TARGETS)}"
+            )
+        self.io = IOSpec.from_dict(self.spec["io"])
+        model_file = self.folder / self.spec["model_file"]
+        if not model_file.is_file():
+            raise EngineError(f"{model_file} is missing: the engine folder is incomplete, rebuild it")
+        session = self.spec.get("session", {})
+        self.model = OrtModel(
+            model_file,
+            self.io,
+            threads=threads or int(session.get("intra_op_num_threads", 0)),
+            optimization=session.get("graph_optimization_level", "all"),
+            providers=self.spec.get("providers", ["CPUExecutionProvider"]),
+        )
+        self._tokenizer: Any = None
+        tokens = self.spec.get("tokens", {})
+        self.eos_token_ids: list[int] = list(tokens.get("eos_token_ids", []))
+        self.pad_token_id: int = int(tokens.get("pad_token_id", self.eos_token_ids[0] if self.eos_token_ids else 0))
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.folder, trust_remote_code=False)
+        return self._tokenizer
+
+    def generate_ids(
+        self,
+        prompts: Sequence[Sequence[int]],
+        config: GenerationConfig | None = None,
+        on_tokens: Callable[[np.ndarray], None] | None = None,
+    ) -> GenerationResult:
+        return generate(
+            self.model,
+            prompts,
+            config or GenerationConfig(),
+            pad_id=self.pad_token_id,
+            eos_ids=self.eos_token_ids,
+            on_tokens=on_tokens,
+        )
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        config: GenerationConfig | None = None,
+        stream: Callable[[int, str], None] | None = None,
+        chat: bool = False,
+    ) -> list[GeneratedText]:
+        """Generate text for one or more prompts; ``stream(row, text_piece)`` gets pieces as decoded."""
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        tok = self.tokenizer
+        if chat:
+            encoded = [
+                tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+                for t in texts
+            ]
+            encoded = [e["input_ids"] if isinstance(e, dict) or hasattr(e, "keys") else e for e in encoded]
+        else:
+            encoded = [tok(t)["input_ids"] for t in texts]
+        emitted = ["" for _ in texts]
+        so_far: list[list[int]] = [[] for _ in texts]
+
+        def on_tokens(step_tokens: np.ndarray) -> None:
+            for row, token in enumerate(step_tokens):
+                if token < 0 or stream is None:
+                    continue
+                so_far[row].append(int(token))
+                text = tok.decode(so_far[row], skip_special_tokens=True)
+                if len(text) > len(emitted[row]) and not text.endswith("\ufffd"):
+                    stream(row, text[len(emitted[row]) :])
+                    emitted[row] = text
+
+        result = self.generate_ids(encoded, config, on_tokens if stream else None)
+        return [
+            GeneratedText(tok.decode(ids, skip_special_tokens=True), ids) for ids in result.tokens
+        ]
+
+
+def graph_io(folder: Path) -> IOSpec:
+    """The IO spec recorded in a graph or engine artifact folder."""
+    metadata = read_metadata(folder)
+    if "io" not in metadata:
+        raise EngineError(f"{folder} records no IO spec (artifact.json): re-export it")
+    return IOSpec.from_dict(metadata["io"])

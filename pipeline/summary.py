@@ -1,0 +1,61 @@
+"""The summary printed at the end of a run: passes, parity, benchmark, where things are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _short(digest: str) -> str:
+    return digest[:12]
+
+
+def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | None = None) -> None:
+    console = console or Console(stderr=False)
+    passes = Table(title="Passes", title_justify="left")
+    for column in ("#", "pass", "version", "cache", "seconds", "output", "notes"):
+        passes.add_column(column)
+    for index, record in enumerate(manifest["passes"], start=1):
+        notes = ""
+        parity = record["metrics"].get("parity")
+        if parity:
+            notes = f"top-1 {parity['top1_agreement']:.1%}, max |Δlogit| {parity['max_abs_diff']:.2e}"
+        passes.add_row(
+            str(index),
+            record["name"],
+            str(record["version"]),
+            "hit" if record["cache_hit"] else "miss",
+            f"{record['seconds']:.1f}",
+            _short(record["output_digest"]),
+            notes,
+        )
+    console.print(passes)
+
+    bench = manifest.get("benchmark")
+    if bench:
+        table = Table(title="Benchmark (median over repeats, ms)", title_justify="left")
+        table.add_column("metric")
+        table.add_column("median", justify="right")
+        table.add_column("min", justify="right")
+        table.add_column("max", justify="right")
+        for length, stats in bench["ttft"].items():
+            table.add_row(f"TTFT @ {length} tokens", *(f"{stats[k]:.1f}" for k in ("median_ms", "min_ms", "max_ms")))
+        tpot = bench["tpot"]
+        table.add_row(
+            f"TPOT ({tpot['tokens']} tokens after {tpot['prompt_length']})",
+            *(f"{tpot[k]:.2f}" for k in ("median_ms", "min_ms", "max_ms")),
+        )
+        console.print(table)
+        load = bench["load_average"]
+        console.print(
+            f"peak RSS {bench['peak_rss_mib']:.0f} MiB · load average {load['before'][0]:.2f} → "
+            f"{load['after'][0]:.2f} on {bench['host']['logical_cores']} cores ({bench['host']['cpu']})"
+        )
+    engine = manifest["engine"]
+    size = sum(f["bytes"] for f in engine["files"]) / 2**20
+    console.print(f"engine  {run_dir / engine['path']}  ({engine['target']}, {size:.0f} MiB)")
+    console.print(f"record  {run_dir / 'manifest.json'}")
+    console.print(f"gate    {manifest['gate']['verdict']} ({manifest['gate']['reason']})")

@@ -1,0 +1,32 @@
+"""Loading a torch artifact (HF Llama folder) safely: safetensors only, never remote code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import SourceError
+
+
+def load_causal_lm(folder: Path) -> Any:
+    """Load an fp32 ``LlamaForCausalLM`` in eval mode; a corrupt checkpoint is a SourceError."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, use_safetensors=True, trust_remote_code=False
+        )
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SourceError(f"cannot load the checkpoint in {folder} ({first}): re-save or re-download it")
+    return model.eval()
+
+
+def load_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"cannot load the tokenizer in {folder} ({exc}): save it beside the weights")
