@@ -145,7 +145,9 @@ class OrtCpuBuildPass(Pass):
                 },
             },
         )
-        write_metadata(out_dir, Kind.ENGINE, {**metadata, "target": self.config.name, "max_length": max_length})
+        write_metadata(
+            out_dir, Kind.ENGINE, {**metadata, "target": self.config.name, "max_length": max_length}
+        )
         return {"max_length": max_length}
 
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:

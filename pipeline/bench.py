@@ -109,8 +109,10 @@ def run_benchmark(engine_dir: Path, config: BenchConfig) -> dict[str, Any]:
         "skipped_prompt_lengths": skipped,
         "tpot": {**_summary(per_run_tpot), "prompt_length": decode_prompt, "tokens": config.decode_tokens},
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "load_average": {"before": [round(x, 2) for x in load_before],
-                         "after": [round(x, 2) for x in os.getloadavg()]},
+        "load_average": {
+            "before": [round(x, 2) for x in load_before],
+            "after": [round(x, 2) for x in os.getloadavg()],
+        },
         "threads": engine.model.session.get_session_options().intra_op_num_threads,
         "host": host_info(),
     }
@@ -118,13 +120,23 @@ def run_benchmark(engine_dir: Path, config: BenchConfig) -> dict[str, Any]:
 
 def benchmark_in_subprocess(engine_dir: Path, config: BenchConfig, out_json: Path) -> dict[str, Any]:
     """Run :func:`run_benchmark` in a fresh interpreter; raise EngineError if it fails."""
-    command = [sys.executable, "-m", "pipeline.bench", str(engine_dir), "--json", str(out_json),
-               "--config", json.dumps(asdict(config))]
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline.bench",
+        str(engine_dir),
+        "--json",
+        str(out_json),
+        "--config",
+        json.dumps(asdict(config)),
+    ]
     start = time.perf_counter()
     try:
         result = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=config.timeout_s)
     except subprocess.TimeoutExpired:
-        raise EngineError(f"benchmark of {engine_dir} took over {config.timeout_s} s: raise bench.timeout_s")
+        raise EngineError(
+            f"benchmark of {engine_dir} took over {config.timeout_s} s: raise bench.timeout_s"
+        ) from None
     if result.returncode != 0:
         lines = result.stderr.strip().splitlines() or ["no output"]
         raise EngineError(f"benchmark of {engine_dir} failed: {lines[-1]}")

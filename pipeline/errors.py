@@ -19,3 +19,9 @@ class PassError(PipelineError):
 
 class EngineError(PipelineError):
     """An engine folder cannot be loaded or run."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (library messages can span many lines)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

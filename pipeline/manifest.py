@@ -37,7 +37,9 @@ def all_library_versions() -> dict[str, str]:
 
 def engine_files(folder: Path) -> list[dict[str, Any]]:
     digests = file_digests(folder)
-    return [{"path": rel, "sha256": sha, "bytes": (folder / rel).stat().st_size} for rel, sha in digests.items()]
+    return [
+        {"path": rel, "sha256": sha, "bytes": (folder / rel).stat().st_size} for rel, sha in digests.items()
+    ]
 
 
 def build_manifest(

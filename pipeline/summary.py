@@ -42,7 +42,9 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
         table.add_column("min", justify="right")
         table.add_column("max", justify="right")
         for length, stats in bench["ttft"].items():
-            table.add_row(f"TTFT @ {length} tokens", *(f"{stats[k]:.1f}" for k in ("median_ms", "min_ms", "max_ms")))
+            table.add_row(
+                f"TTFT @ {length} tokens", *(f"{stats[k]:.1f}" for k in ("median_ms", "min_ms", "max_ms"))
+            )
         tpot = bench["tpot"]
         table.add_row(
             f"TPOT ({tpot['tokens']} tokens after {tpot['prompt_length']})",

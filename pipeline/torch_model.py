@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import SourceError
+from pipeline.errors import SourceError, first_line
 
 
 def load_causal_lm(folder: Path) -> Any:
@@ -18,8 +18,9 @@ def load_causal_lm(folder: Path) -> Any:
             folder, dtype=torch.float32, use_safetensors=True, trust_remote_code=False
         )
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise SourceError(f"cannot load the checkpoint in {folder} ({first}): re-save or re-download it")
+        raise SourceError(
+            f"cannot load the checkpoint in {folder} ({first_line(exc)}): re-save or re-download it"
+        ) from None
     return model.eval()
 
 
@@ -29,4 +30,6 @@ def load_tokenizer(folder: Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError) as exc:
-        raise SourceError(f"cannot load the tokenizer in {folder} ({exc}): save it beside the weights")
+        raise SourceError(
+            f"cannot load the tokenizer in {folder} ({first_line(exc)}): save it beside the weights"
+        ) from None

@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from pipeline.artifacts import read_metadata
-from pipeline.errors import EngineError
+from pipeline.errors import EngineError, first_line
 from pipeline.runtime.generate import GenerationConfig, GenerationResult, generate
 
 ENGINE_FILE = "engine.json"
@@ -80,7 +80,7 @@ class OrtModel:
                 str(model_path), session_options(threads, optimization), providers=list(providers)
             )
         except Exception as exc:  # ORT raises its own pybind types (InvalidGraph, NoSuchFile, ...)
-            raise EngineError(f"ONNX Runtime cannot load {model_path} ({str(exc).splitlines()[0]})") from None
+            raise EngineError(f"ONNX Runtime cannot load {model_path} ({first_line(exc)})") from None
         self._past_names = io.past_names()
         self._present_names = io.present_names()
         self._kv_dtype = _NP_DTYPES[io.kv_dtype]
@@ -130,9 +130,8 @@ class Engine:
         self.spec = json.loads(spec_path.read_text())
         target = self.spec.get("target")
         if target not in SUPPORTED_TARGETS:
-            raise EngineError(
-                f"{spec_path} is built for target '{target}'; this runtime runs {', '.join(SUPPORTED_TARGETS)}"
-            )
+            supported = ", ".join(SUPPORTED_TARGETS)
+            raise EngineError(f"{spec_path} is built for target '{target}'; this runtime runs {supported}")
         self.io = IOSpec.from_dict(self.spec["io"])
         model_file = self.folder / self.spec["model_file"]
         if not model_file.is_file():
@@ -148,7 +147,9 @@ class Engine:
         self._tokenizer: Any = None
         tokens = self.spec.get("tokens", {})
         self.eos_token_ids: list[int] = list(tokens.get("eos_token_ids", []))
-        self.pad_token_id: int = int(tokens.get("pad_token_id", self.eos_token_ids[0] if self.eos_token_ids else 0))
+        self.pad_token_id: int = int(
+            tokens.get("pad_token_id", self.eos_token_ids[0] if self.eos_token_ids else 0)
+        )
 
     @property
     def tokenizer(self) -> Any:
@@ -185,7 +186,9 @@ class Engine:
         tok = self.tokenizer
         if chat:
             encoded = [
-                tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+                tok.apply_chat_template(
+                    [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True
+                )
                 for t in texts
             ]
             encoded = [e["input_ids"] if isinstance(e, dict) or hasattr(e, "keys") else e for e in encoded]
@@ -205,9 +208,7 @@ class Engine:
                     emitted[row] = text
 
         result = self.generate_ids(encoded, config, on_tokens if stream else None)
-        return [
-            GeneratedText(tok.decode(ids, skip_special_tokens=True), ids) for ids in result.tokens
-        ]
+        return [GeneratedText(tok.decode(ids, skip_special_tokens=True), ids) for ids in result.tokens]
 
 
 def graph_io(folder: Path) -> IOSpec:

@@ -1,0 +1,49 @@
+"""ort-cpu build pass: engine.json, genai_config.json, a real session check."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from passes.build import GENAI_CONFIG, OrtCpuBuildPass
+from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind
+from pipeline.errors import PassError
+from pipeline.runtime.ort import ENGINE_FILE
+
+
+def test_engine_json_describes_how_to_run(tiny_engine: Artifact) -> None:
+    spec = json.loads((tiny_engine.path / ENGINE_FILE).read_text())
+    assert spec["target"] == "ort-cpu"
+    assert spec["providers"] == ["CPUExecutionProvider"]
+    assert spec["io"]["num_layers"] == 2 and spec["io"]["kv_layout"] == "concat"
+    assert spec["max_length"] == 256
+    assert (tiny_engine.path / spec["model_file"]).is_file()
+
+
+def test_genai_config_follows_the_onnxruntime_genai_schema(tiny_engine: Artifact) -> None:
+    config = json.loads((tiny_engine.path / GENAI_CONFIG).read_text())
+    decoder = config["model"]["decoder"]
+    assert decoder["inputs"]["past_key_names"] == "past_key_values.%d.key"
+    assert decoder["outputs"]["present_value_names"] == "present.%d.value"
+    assert (decoder["num_hidden_layers"], decoder["num_key_value_heads"], decoder["head_size"]) == (2, 2, 16)
+    assert config["model"]["eos_token_id"] == 2
+    assert config["search"]["max_length"] == 256
+
+
+def test_max_length_is_capped_by_the_model(tiny_graph: Artifact, tmp_path: Path) -> None:
+    OrtCpuBuildPass(max_length=100_000).run(tiny_graph, tmp_path)
+    assert json.loads((tmp_path / ENGINE_FILE).read_text())["max_length"] == 256
+
+
+def test_ensures_opens_a_real_session(tiny_graph: Artifact, tiny_engine: Artifact) -> None:
+    assert OrtCpuBuildPass().ensures(tiny_graph, tiny_engine) == {"session_check": "ok"}
+
+
+def test_requires_an_exported_graph(tiny_graph: Artifact, tmp_path: Path) -> None:
+    bare = Path(shutil.copytree(tiny_graph.path, tmp_path / "bare"))
+    (bare / ARTIFACT_FILE).unlink()
+    with pytest.raises(PassError, match="records no IO spec"):
+        OrtCpuBuildPass().requires(Artifact.from_dir(Kind.GRAPH, bare))

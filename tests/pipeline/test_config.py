@@ -1,0 +1,99 @@
+"""Structured configs: bad overrides fail at parse time; the recipe builds the right passes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from passes.build import OrtCpuBuildPass
+from passes.export import ExportPass
+from pipeline.artifacts import Kind
+from pipeline.config import STAGE_ORDER
+from pipeline.errors import ConfigError
+from pipeline.manager import validate
+from pipeline.plugins import build_passes, pass_class
+from tests.pipeline.recipe import compose_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+GROUPS = ["model", "quant", "prune", "distill", "kv_cache", "fusion", "target", "eval", "registry"]
+
+
+def test_default_recipe_is_export_then_build() -> None:
+    cfg = compose_recipe(["model=llama", "quant=none"])
+    passes = build_passes(cfg)
+    assert [type(p) for p in passes] == [ExportPass, OrtCpuBuildPass]
+    validate(passes, Kind.TORCH)
+    assert cfg.model.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    assert list(cfg.pipeline.order) == STAGE_ORDER
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_group_exists(group: str) -> None:
+    assert (REPO / "configs" / group).is_dir()
+    assert any((REPO / "configs" / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("export.bogus=1", "bogus"),
+        ("export.opset=seventeen", "opset"),
+        ("target.graph_optimization_level=max", "graph_optimization_level"),
+        ("bench.repeats=many", "repeats"),
+        ("pipeline.cache=maybe", "cache"),
+        ("quant.bits=4", "bits"),
+        ("unknown_key=1", "unknown_key"),
+        ("quant=bogus", "bogus"),
+    ],
+)
+def test_bad_override_fails_at_parse_time(override: str, message: str) -> None:
+    with pytest.raises((ConfigCompositionException, ValidationError)) as error:
+        compose_recipe([override])
+    assert message in str(error.value) or message in str(error.value.__cause__)
+
+
+def test_overrides_reach_the_pass_config() -> None:
+    cfg = compose_recipe(["export.opset=18", "target.intra_op_num_threads=2"])
+    export, build = build_passes(cfg)
+    assert export.config.opset == 18
+    assert build.config.intra_op_num_threads == 2
+
+
+def test_wrong_order_is_a_config_error() -> None:
+    cfg = compose_recipe(["pipeline.order=[target,export]"])
+    with pytest.raises(ConfigError, match="consumes an ONNX graph but receives a torch model"):
+        validate(build_passes(cfg), Kind.TORCH)
+
+
+def test_order_naming_no_group_is_a_config_error() -> None:
+    cfg = compose_recipe(["pipeline.order=[export,nonsense,target]"])
+    with pytest.raises(ConfigError, match="'nonsense'"):
+        build_passes(cfg)
+
+
+@pytest.mark.parametrize(
+    "target", ["os.system", "subprocess.Popen", "pipeline.run.run_pipeline", "passes.export.log"]
+)
+def test_target_outside_passes_or_not_a_pass_is_refused(target: str) -> None:
+    cfg = compose_recipe([f"export._target_={target}"])
+    with pytest.raises(ConfigError, match="_target_"):
+        build_passes(cfg)
+    with pytest.raises(ConfigError):
+        pass_class(target, "export")
+
+
+def test_cfg_job_prints_the_resolved_recipe() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline", "model=llama", "quant=none", "--cfg", "job"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "_target_: passes.export.ExportPass" in result.stdout
+    assert "sha256: b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53" in result.stdout

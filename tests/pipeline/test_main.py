@@ -1,0 +1,138 @@
+"""``python -m pipeline`` end to end on a tiny Llama: engine, run record, cache reuse,
+exit code 2 with one line for user mistakes, Ctrl-C leaves nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.artifacts import file_digests
+
+REPO = Path(__file__).resolve().parents[2]
+QUICK_BENCH = [
+    "bench=quick",
+    "bench.prompt_lengths=[16,32]",
+    "bench.decode_tokens=8",
+    "bench.decode_prompt_length=16",
+    "bench.repeats=2",
+]
+
+
+def pipeline_command(model: Path, workdir: Path, run: str, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pipeline",
+        f"model.path={model}",
+        f"pipeline.cache_dir={workdir / 'cache'}",
+        f"pipeline.models_dir={workdir / 'models'}",
+        f"hydra.run.dir={workdir / run}",
+        *extra,
+    ]
+
+
+def run_pipeline(model: Path, workdir: Path, run: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        pipeline_command(model, workdir, run, *extra), cwd=workdir, env=env, capture_output=True, text=True
+    )
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    workdir = tmp_path_factory.mktemp("cli")
+    result = run_pipeline(tiny_llama, workdir, "run1", *QUICK_BENCH)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir, json.loads((workdir / "run1" / "manifest.json").read_text())
+
+
+def test_run_writes_engine_and_record(first_run: tuple[Path, dict]) -> None:
+    workdir, manifest = first_run
+    assert manifest["schema_version"] == 1
+    assert [p["name"] for p in manifest["passes"]] == ["export", "build"]
+    assert not any(p["cache_hit"] for p in manifest["passes"])
+    assert manifest["passes"][0]["metrics"]["parity"]["top1_agreement"] == 1.0
+    assert manifest["passes"][1]["input_digest"] == manifest["passes"][0]["output_digest"]
+    assert manifest["source"]["origin"]["kind"] == "local"
+    assert manifest["libraries"]["onnxruntime"] and manifest["host"]["logical_cores"] >= 1
+    engine_dir = workdir / "run1" / "engine"
+    on_disk = file_digests(engine_dir)
+    assert {f["path"]: f["sha256"] for f in manifest["engine"]["files"]} == on_disk
+    assert manifest["recipe"]["export"]["_target_"] == "passes.export.ExportPass"
+
+
+def test_run_benchmarks_the_engine(first_run: tuple[Path, dict]) -> None:
+    bench = first_run[1]["benchmark"]
+    assert set(bench["ttft"]) == {"16", "32"}
+    assert all(v["runs"] == 2 and v["median_ms"] > 0 for v in bench["ttft"].values())
+    assert bench["tpot"]["tokens"] == 8 and bench["tpot"]["median_ms"] > 0
+    assert bench["peak_rss_mib"] > 0 and len(bench["load_average"]["before"]) == 3
+
+
+def test_second_run_is_served_from_cache(first_run: tuple[Path, dict], tiny_llama: Path) -> None:
+    workdir, manifest = first_run
+    result = run_pipeline(tiny_llama, workdir, "run2", "bench=none")
+    assert result.returncode == 0, result.stderr[-3000:]
+    again = json.loads((workdir / "run2" / "manifest.json").read_text())
+    assert [p["cache_hit"] for p in again["passes"]] == [True, True]
+    assert again["engine"]["digest"] == manifest["engine"]["digest"]
+    assert again["benchmark"] is None
+    assert "hit" in result.stdout
+
+
+def test_cache_disabled_leaves_no_cache(tiny_llama: Path, tmp_path: Path) -> None:
+    result = run_pipeline(tiny_llama, tmp_path, "run", "bench=none", "pipeline.cache=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "run" / "engine" / "engine.json").is_file()
+    assert not (tmp_path / "cache").exists()
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".") and p.name != ".hydra"]
+
+
+@pytest.mark.parametrize(
+    ("model_override", "needle"),
+    [
+        ("model.path=/nonexistent/llama", "/nonexistent/llama does not exist"),
+        ("model.path=/etc", "config.json is missing"),
+    ],
+)
+def test_user_mistake_is_one_line_and_exit_code_2(tmp_path: Path, model_override: str, needle: str) -> None:
+    command = [sys.executable, "-m", "pipeline", model_override, f"hydra.run.dir={tmp_path / 'run'}"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_bad_order_fails_before_touching_the_model(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "pipeline", "pipeline.order=[target,export]",
+               f"pipeline.models_dir={tmp_path / 'models'}", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 2 and "consumes an ONNX graph" in result.stderr
+    assert not (tmp_path / "models").exists()  # nothing downloaded
+
+
+def test_ctrl_c_leaves_no_partial_output(tiny_llama: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = pipeline_command(tiny_llama, tmp_path, "run", "bench=none", "export.opset=18")
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert process.stdout is not None
+    for line in process.stdout:
+        if "export: running" in line:
+            process.send_signal(signal.SIGINT)
+            break
+    output = process.stdout.read()
+    assert process.wait(timeout=120) == 130, output
+    assert "interrupted" in output
+    assert not (tmp_path / "run" / "engine").exists()
+    assert list((tmp_path / "cache" / ".staging").iterdir()) == []
+    for entry in (tmp_path / "cache").iterdir():
+        assert entry.name == ".staging" or (entry / "entry.json").is_file()
