@@ -30,6 +30,7 @@ from pipeline.artifacts import Artifact, Kind, write_metadata
 from pipeline.base import Pass
 from pipeline.config import register_pass
 from pipeline.errors import PassError
+from pipeline.progress import phases
 from pipeline.runtime.ort import IOSpec, OrtModel, graph_io
 from pipeline.torch_model import load_causal_lm, load_tokenizer
 
@@ -82,55 +83,24 @@ class ExportPass(Pass):
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         import onnx
-        import torch
 
-        model = load_causal_lm(source.path)
-        config = model.config
-        io = IOSpec(
-            num_layers=config.num_hidden_layers,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-            vocab_size=config.vocab_size,
-        )
-        wrapper = _FlatKVDecoder(model, io.num_layers)
-        batch, seq, past = 2, 4, 3
-        input_ids = torch.randint(0, config.vocab_size, (batch, seq))
-        attention_mask = torch.ones(batch, past + seq, dtype=torch.int64)
-        position_ids = torch.arange(past, past + seq).expand(batch, seq)
-        past_kv = [torch.randn(batch, io.num_kv_heads, past, io.head_dim) for _ in io.past_names()]
-        dynamic_axes: dict[str, dict[int, str]] = {
-            "input_ids": {0: "batch_size", 1: "sequence_length"},
-            "attention_mask": {0: "batch_size", 1: "total_sequence_length"},
-            "position_ids": {0: "batch_size", 1: "sequence_length"},
-            "logits": {0: "batch_size", 1: "sequence_length"},
-        }
-        dynamic_axes.update({n: {0: "batch_size", 2: "past_sequence_length"} for n in io.past_names()})
-        dynamic_axes.update({n: {0: "batch_size", 2: "total_sequence_length"} for n in io.present_names()})
-        traced_path = out_dir / "traced.onnx"
-        log.info("exporting %d layers to ONNX (opset %d)", io.num_layers, self.config.opset)
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(
-                wrapper,
-                (input_ids, attention_mask, position_ids, *past_kv),
-                str(traced_path),
-                input_names=["input_ids", "attention_mask", "position_ids", *io.past_names()],
-                output_names=["logits", *io.present_names()],
-                dynamic_axes=dynamic_axes,
-                opset_version=self.config.opset,
-                dynamo=False,
+        with phases("export", 3) as start:
+            start("load torch model")
+            model = load_causal_lm(source.path)
+            start("trace to ONNX")
+            io = self._export(model, out_dir / "traced.onnx")
+            start("write external data")
+            graph = onnx.load(str(out_dir / "traced.onnx"))
+            (out_dir / "traced.onnx").unlink()
+            # One external-data file beside the graph (the GenAI layout; required past 2 GB anyway).
+            onnx.save_model(
+                graph,
+                str(out_dir / MODEL_FILE),
+                save_as_external_data=True,
+                all_tensors_to_one_file=True,
+                location=DATA_FILE,
+                size_threshold=1024,
             )
-        graph = onnx.load(str(traced_path))
-        traced_path.unlink()
-        # One external-data file beside the graph (the GenAI layout; required past 2 GB anyway).
-        onnx.save_model(
-            graph,
-            str(out_dir / MODEL_FILE),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=DATA_FILE,
-            size_threshold=1024,
-        )
         for name in CARRIED_FILES:
             if (source.path / name).is_file():
                 shutil.copy2(source.path / name, out_dir / name)
@@ -138,6 +108,7 @@ class ExportPass(Pass):
         gen_path = source.path / "generation_config.json"
         generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         tokens = _token_ids(hf_config, generation, load_tokenizer(source.path))
+        config = model.config
         write_metadata(
             out_dir,
             Kind.GRAPH,
@@ -154,6 +125,49 @@ class ExportPass(Pass):
         )
         return {"nodes": len(graph.graph.node), "opset": self.config.opset}
 
+    def _export(self, model: Any, path: Path) -> IOSpec:
+        """Trace ``model`` with a flat KV-cache signature to ``path``; return its IO spec."""
+        import torch
+
+        config = model.config
+        io = IOSpec(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            vocab_size=config.vocab_size,
+        )
+        wrapper = _flat_kv_decoder(model, io.num_layers)
+        # Example inputs only fix ranks and dtypes (all sizes are dynamic axes); seeded for repeatability.
+        generator = torch.Generator().manual_seed(0)
+        batch, seq, past = 2, 4, 3
+        input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+        attention_mask = torch.ones(batch, past + seq, dtype=torch.int64)
+        position_ids = torch.arange(past, past + seq).expand(batch, seq)
+        shape = (batch, io.num_kv_heads, past, io.head_dim)
+        past_kv = [torch.randn(shape, generator=generator) for _ in io.past_names()]
+        dynamic_axes: dict[str, dict[int, str]] = {
+            "input_ids": {0: "batch_size", 1: "sequence_length"},
+            "attention_mask": {0: "batch_size", 1: "total_sequence_length"},
+            "position_ids": {0: "batch_size", 1: "sequence_length"},
+            "logits": {0: "batch_size", 1: "sequence_length"},
+        }
+        dynamic_axes.update({n: {0: "batch_size", 2: "past_sequence_length"} for n in io.past_names()})
+        dynamic_axes.update({n: {0: "batch_size", 2: "total_sequence_length"} for n in io.present_names()})
+        log.info("exporting %d layers to ONNX (opset %d)", io.num_layers, self.config.opset)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                wrapper,
+                (input_ids, attention_mask, position_ids, *past_kv),
+                str(path),
+                input_names=["input_ids", "attention_mask", "position_ids", *io.past_names()],
+                output_names=["logits", *io.present_names()],
+                dynamic_axes=dynamic_axes,
+                opset_version=self.config.opset,
+                dynamo=False,
+            )
+        return io
+
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
         parity = check_parity(source.path, result.path, self.config.parity_prompt)
         if parity["top1_agreement"] < self.config.min_top1_agreement:
@@ -165,35 +179,36 @@ class ExportPass(Pass):
         return {"parity": parity}
 
 
-class _FlatKVDecoder:
-    """Build lazily so importing this module does not import torch."""
+def _flat_kv_decoder(model: Any, num_layers: int) -> Any:
+    """Wrap ``model`` as a module of flat tensors: (ids, mask, positions, *past) -> (logits, *present).
 
-    def __new__(cls, model: Any, num_layers: int) -> Any:
-        import torch
-        from transformers import DynamicCache
+    Built inside a function so that importing this module (at start-up) does not import torch.
+    """
+    import torch
+    from transformers import DynamicCache
 
-        class FlatKVDecoder(torch.nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.model = model
+    class FlatKVDecoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
 
-            def forward(self, input_ids, attention_mask, position_ids, *past):  # type: ignore[no-untyped-def]
-                cache = DynamicCache(config=self.model.config)
-                for layer in range(num_layers):
-                    cache.update(past[2 * layer], past[2 * layer + 1], layer)
-                out = self.model(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-                flat = []
-                for layer in out.past_key_values.layers:
-                    flat += [layer.keys, layer.values]
-                return (out.logits, *flat)
+        def forward(self, input_ids, attention_mask, position_ids, *past):  # type: ignore[no-untyped-def]
+            cache = DynamicCache(config=self.model.config)
+            for layer in range(num_layers):
+                cache.update(past[2 * layer], past[2 * layer + 1], layer)
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            flat = []
+            for layer in out.past_key_values.layers:
+                flat += [layer.keys, layer.values]
+            return (out.logits, *flat)
 
-        return FlatKVDecoder().eval()
+    return FlatKVDecoder().eval()
 
 
 def check_parity(torch_dir: Path, graph_dir: Path, prompt: str) -> dict[str, Any]:

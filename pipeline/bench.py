@@ -70,7 +70,7 @@ def run_benchmark(engine_dir: Path, config: BenchConfig) -> dict[str, Any]:
     from pipeline.runtime import Engine, GenerationConfig
 
     engine = Engine(engine_dir)
-    max_length = int(engine.spec.get("max_length", 2048))
+    max_length = engine.max_length
     rng = np.random.default_rng(config.seed)
     vocab = engine.io.vocab_size
     lengths = [n for n in config.prompt_lengths if n + 1 <= max_length]

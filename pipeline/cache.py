@@ -123,8 +123,12 @@ class Cache:
         """Publish a staged output under ``key`` with one atomic rename."""
         write_json(staging / ENTRY_FILE, record)
         final = self.root / key
-        if final.exists():  # a concurrent run published the same content first
-            self.evict(key)
-        os.rename(staging, final)
+        try:
+            os.rename(staging, final)
+        except OSError:  # a concurrent run published this key first: keep theirs, drop ours
+            if not (final / ENTRY_FILE).is_file():
+                raise
+            shutil.rmtree(staging, ignore_errors=True)
+            record = json.loads((final / ENTRY_FILE).read_text())
         output = final / OUTPUT_DIR
         return CacheEntry(key, Artifact.from_dir(kind, output, record["output_digest"]), record)

