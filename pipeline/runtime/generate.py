@@ -67,6 +67,7 @@ def sample_next(logits: np.ndarray, config: GenerationConfig, rng: np.random.Gen
         order = np.argsort(-probs, axis=-1)
         sorted_probs = np.take_along_axis(probs, order, -1)
         keep_sorted = (np.cumsum(sorted_probs, -1) - sorted_probs) < config.top_p
+        keep_sorted[:, 0] = True  # the most likely token always stays
         keep = np.zeros_like(keep_sorted)
         np.put_along_axis(keep, order, keep_sorted, -1)
         probs = np.where(keep, probs, 0.0)

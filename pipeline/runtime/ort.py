@@ -127,13 +127,16 @@ class Engine:
         spec_path = self.folder / ENGINE_FILE
         if not spec_path.is_file():
             raise EngineError(f"{self.folder} is not an engine folder (no {ENGINE_FILE}): build one first")
-        self.spec = json.loads(spec_path.read_text())
+        try:
+            self.spec = json.loads(spec_path.read_text())
+            self.io = IOSpec.from_dict(self.spec["io"])
+            model_file = self.folder / self.spec["model_file"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise EngineError(f"{spec_path} is malformed ({first_line(exc)}): rebuild the engine") from None
         target = self.spec.get("target")
         if target not in SUPPORTED_TARGETS:
             supported = ", ".join(SUPPORTED_TARGETS)
             raise EngineError(f"{spec_path} is built for target '{target}'; this runtime runs {supported}")
-        self.io = IOSpec.from_dict(self.spec["io"])
-        model_file = self.folder / self.spec["model_file"]
         if not model_file.is_file():
             raise EngineError(f"{model_file} is missing: the engine folder is incomplete, rebuild it")
         session = self.spec.get("session", {})
@@ -214,7 +217,12 @@ class Engine:
                     emitted[row] = text
 
         result = self.generate_ids(encoded, config, on_tokens if stream else None)
-        return [GeneratedText(tok.decode(ids, skip_special_tokens=True), ids) for ids in result.tokens]
+        texts = [tok.decode(ids, skip_special_tokens=True) for ids in result.tokens]
+        if stream is not None:  # flush text held back mid-character when generation ended
+            for row, text in enumerate(texts):
+                if len(text) > len(emitted[row]):
+                    stream(row, text[len(emitted[row]) :])
+        return [GeneratedText(text, ids) for text, ids in zip(texts, result.tokens, strict=True)]
 
 
 def graph_io(folder: Path) -> IOSpec:
