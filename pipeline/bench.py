@@ -10,6 +10,8 @@ is shared and noisy.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -26,6 +28,8 @@ import numpy as np
 import psutil
 from tqdm.auto import tqdm
 
+from pipeline.artifacts import write_json
+from pipeline.cache import library_versions
 from pipeline.config import BenchConfig
 from pipeline.errors import EngineError
 
@@ -104,6 +108,7 @@ def run_benchmark(engine_dir: Path, config: BenchConfig) -> dict[str, Any]:
     bar.close()
     return {
         "schema_version": BENCH_SCHEMA_VERSION,
+        "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "config": asdict(config),
         "ttft": ttft,
         "skipped_prompt_lengths": skipped,
@@ -142,6 +147,36 @@ def benchmark_in_subprocess(engine_dir: Path, config: BenchConfig, out_json: Pat
         raise EngineError(f"benchmark of {engine_dir} failed: {lines[-1]}")
     record = json.loads(out_json.read_text())
     record["wall_seconds"] = round(time.perf_counter() - start, 1)
+    return record
+
+
+def bench_key(engine_digest: str, config: BenchConfig) -> str:
+    """Same engine, benchmark settings, host and libraries: the same measurement."""
+    payload = {
+        "engine": engine_digest,
+        "config": asdict(config),
+        "host": host_info(),
+        "libs": library_versions(),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def measure(
+    engine_dir: Path, engine_digest: str, config: BenchConfig, cache_dir: Path | None
+) -> dict[str, Any]:
+    """Benchmark an engine, reusing an earlier measurement of the identical engine on this host
+    when ``cache_dir`` is given (the record then says ``cache_hit: true`` and when it was measured)."""
+    cached = cache_dir / "bench" / f"{bench_key(engine_digest, config)}.json" if cache_dir else None
+    if cached is not None and cached.is_file():
+        return {**json.loads(cached.read_text()), "cache_hit": True}
+    scratch = engine_dir.parent / f".bench.{os.getpid()}.json"
+    try:
+        record = {**benchmark_in_subprocess(engine_dir, config, scratch), "cache_hit": False}
+    finally:
+        scratch.unlink(missing_ok=True)
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        write_json(cached, record)
     return record
 
 

@@ -112,8 +112,8 @@ class Cache:
     def stage(self, key: str) -> Iterator[Path]:
         """Yield an empty staging folder for ``key``; removed unless :meth:`commit` took it."""
         staging = self.staging_root / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        (staging / OUTPUT_DIR).mkdir(parents=True)
         try:
+            (staging / OUTPUT_DIR).mkdir(parents=True)
             yield staging
         finally:
             if staging.exists():

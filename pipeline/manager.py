@@ -62,15 +62,13 @@ class PassManager:
         self.passes = passes
         self.cache = cache
 
-    def run(self, source: Artifact, on_pass_done: Any = None) -> tuple[Artifact, list[PassRecord]]:
+    def run(self, source: Artifact) -> tuple[Artifact, list[PassRecord]]:
         validate(self.passes, source.kind)
         records: list[PassRecord] = []
         current = source
         for index, step in enumerate(self.passes, start=1):
             current, record = self._run_one(index, step, current)
             records.append(record)
-            if on_pass_done is not None:
-                on_pass_done(record)
         return current, records
 
     def _run_one(self, index: int, step: Pass, source: Artifact) -> tuple[Artifact, PassRecord]:

@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.artifacts import Artifact, Kind
-from pipeline.bench import benchmark_in_subprocess
+from pipeline.bench import measure
 from pipeline.cache import Cache
 from pipeline.config import BenchConfig, ModelConfig
 from pipeline.manager import PassManager, validate
@@ -83,11 +83,8 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = N
     assert isinstance(bench_cfg, BenchConfig)
     benchmark = None
     if bench_cfg.enabled:
-        bench_json = run_dir / f".bench.{os.getpid()}.json"
-        try:
-            benchmark = benchmark_in_subprocess(engine_dir, bench_cfg, bench_json)
-        finally:
-            bench_json.unlink(missing_ok=True)
+        bench_cache = Path(cfg.pipeline.cache_dir) if cfg.pipeline.cache else None
+        benchmark = measure(engine_dir, engine.digest, bench_cfg, bench_cache)
 
     manifest = build_manifest(
         source=source,

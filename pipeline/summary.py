@@ -36,7 +36,10 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
 
     bench = manifest.get("benchmark")
     if bench:
-        table = Table(title="Benchmark (median over repeats, ms)", title_justify="left")
+        title = "Benchmark (median over repeats, ms)"
+        if bench.get("cache_hit"):
+            title += f" · same engine measured on this host at {bench['measured_at']} (cached)"
+        table = Table(title=title, title_justify="left")
         table.add_column("metric")
         table.add_column("median", justify="right")
         table.add_column("min", justify="right")
