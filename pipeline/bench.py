@@ -13,12 +13,14 @@ import argparse
 import datetime as dt
 import hashlib
 import json
+import logging
 import os
 import platform
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -32,6 +34,8 @@ from pipeline.artifacts import write_json
 from pipeline.cache import library_versions
 from pipeline.config import BenchConfig
 from pipeline.errors import EngineError
+
+log = logging.getLogger(__name__)
 
 BENCH_SCHEMA_VERSION = 1
 
@@ -169,7 +173,10 @@ def measure(
     cached = cache_dir / "bench" / f"{bench_key(engine_digest, config)}.json" if cache_dir else None
     if cached is not None and cached.is_file():
         return {**json.loads(cached.read_text()), "cache_hit": True}
-    scratch = engine_dir.parent / f".bench.{os.getpid()}.json"
+    log.info("benchmark: running (%s)", ", ".join(f"TTFT@{n}" for n in config.prompt_lengths) + ", TPOT")
+    handle, name = tempfile.mkstemp(prefix="bench-", suffix=".json")
+    os.close(handle)
+    scratch = Path(name)
     try:
         record = {**benchmark_in_subprocess(engine_dir, config, scratch), "cache_hit": False}
     finally:

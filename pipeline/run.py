@@ -1,8 +1,9 @@
 """One pipeline run: validate the recipe, resolve the source, run the passes through the cache,
 place the engine, benchmark it, write the run record.
 
-Everything the run writes into its output folder appears by atomic rename, so Ctrl-C or a
-crash leaves either the finished file or nothing (plus the Hydra log).
+Everything the run writes into its output folder appears by atomic rename, and only after the
+passes and the benchmark have finished (the engine folder, then ``manifest.json``), so Ctrl-C or
+a crash leaves finished files or nothing (plus Hydra's log and ``.hydra/``).
 """
 
 from __future__ import annotations
@@ -72,19 +73,18 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = N
     else:
         scratch = Path(tempfile.mkdtemp(prefix=".work-", dir=run_dir))
         cache = Cache(scratch, enabled=False)
+    bench_cfg = OmegaConf.to_object(cfg.bench)
+    assert isinstance(bench_cfg, BenchConfig)
+    benchmark = None
     try:
         engine, records = PassManager(passes, cache).run(source)
+        if bench_cfg.enabled:  # measured where the engine lies, before anything lands in run_dir
+            bench_cache = Path(cfg.pipeline.cache_dir) if cfg.pipeline.cache else None
+            benchmark = measure(engine.path, engine.digest, bench_cfg, bench_cache)
         engine_dir = place_engine(engine, run_dir)
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
-
-    bench_cfg = OmegaConf.to_object(cfg.bench)
-    assert isinstance(bench_cfg, BenchConfig)
-    benchmark = None
-    if bench_cfg.enabled:
-        bench_cache = Path(cfg.pipeline.cache_dir) if cfg.pipeline.cache else None
-        benchmark = measure(engine_dir, engine.digest, bench_cfg, bench_cache)
 
     manifest = build_manifest(
         source=source,

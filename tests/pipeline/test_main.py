@@ -128,10 +128,10 @@ def test_bad_order_fails_before_touching_the_model(tmp_path: Path) -> None:
     assert not (tmp_path / "models").exists()  # nothing downloaded
 
 
-@pytest.mark.parametrize("when", ["export: running", "build: running"])
+@pytest.mark.parametrize("when", ["export: running", "build: running", "benchmark: running"])
 def test_ctrl_c_leaves_no_partial_output(tiny_llama: Path, tmp_path: Path, when: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    command = pipeline_command(tiny_llama, tmp_path, "run", "bench=none", "export.opset=18")
+    command = pipeline_command(tiny_llama, tmp_path, "run", *QUICK_BENCH, "export.opset=18")
     process = subprocess.Popen(
         command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -143,7 +143,7 @@ def test_ctrl_c_leaves_no_partial_output(tiny_llama: Path, tmp_path: Path, when:
     output = process.stdout.read()
     assert process.wait(timeout=120) == 130, output
     assert "interrupted" in output
-    assert not (tmp_path / "run" / "engine").exists()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".hydra", "__main__.log"]
     assert list((tmp_path / "cache" / ".staging").iterdir()) == []
     for entry in (tmp_path / "cache").iterdir():
         assert entry.name == ".staging" or (entry / "entry.json").is_file()
