@@ -251,6 +251,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     try:
         loaded = LlamaForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except ImportError as exc:
+        missing = first_line(exc)
+        raise SourceError(f"converting {gguf_path.name} needs {missing}: run `pip install -e .`") from None
     except Exception as exc:  # the GGUF reader raises many types for a bad file
         raise SourceError(
             f"{gguf_path} could not be read as a Llama GGUF ({first_line(exc)}): delete it and rerun"
