@@ -141,7 +141,7 @@ class OrtCpuBuildPass(Pass):
                 "max_length": max_length,
                 "session": {
                     "intra_op_num_threads": threads,
-                    "graph_optimization_level": self.config.graph_optimization_level.value,
+                    "graph_optimization_level": OptimizationLevel(self.config.graph_optimization_level).value,
                 },
             },
         )

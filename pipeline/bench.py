@@ -156,9 +156,10 @@ def benchmark_in_subprocess(engine_dir: Path, config: BenchConfig, out_json: Pat
 
 def bench_key(engine_digest: str, config: BenchConfig) -> str:
     """Same engine, benchmark settings, host and libraries: the same measurement."""
+    settings = {k: v for k, v in asdict(config).items() if k not in ("reuse", "timeout_s")}
     payload = {
         "engine": engine_digest,
-        "config": asdict(config),
+        "config": settings,
         "host": host_info(),
         "libs": library_versions(),
     }
@@ -168,10 +169,11 @@ def bench_key(engine_digest: str, config: BenchConfig) -> str:
 def measure(
     engine_dir: Path, engine_digest: str, config: BenchConfig, cache_dir: Path | None
 ) -> dict[str, Any]:
-    """Benchmark an engine, reusing an earlier measurement of the identical engine on this host
-    when ``cache_dir`` is given (the record then says ``cache_hit: true`` and when it was measured)."""
+    """Benchmark an engine. With ``cache_dir`` and ``config.reuse``, an earlier measurement of the
+    identical engine with the same settings on this host is reused (the record then says
+    ``cache_hit: true`` and when it was measured); a new measurement is stored there."""
     cached = cache_dir / "bench" / f"{bench_key(engine_digest, config)}.json" if cache_dir else None
-    if cached is not None and cached.is_file():
+    if cached is not None and cached.is_file() and config.reuse:
         return {**json.loads(cached.read_text()), "cache_hit": True}
     log.info("benchmark: running (%s)", ", ".join(f"TTFT@{n}" for n in config.prompt_lengths) + ", TPOT")
     handle, name = tempfile.mkstemp(prefix="bench-", suffix=".json")

@@ -54,6 +54,9 @@ class BenchConfig:
     """Benchmark stage: TTFT per prompt length and TPOT, medians over ``repeats`` after warm-up."""
 
     enabled: bool = True
+    # Reuse an earlier measurement of the identical engine on this host (the record says so);
+    # false re-measures.
+    reuse: bool = True
     prompt_lengths: list[int] = field(default_factory=lambda: [128, 512, 2048])
     decode_tokens: int = 64
     decode_prompt_length: int = 128

@@ -8,14 +8,21 @@ from typing import Any
 from pipeline.errors import SourceError, first_line
 
 
-def load_causal_lm(folder: Path) -> Any:
-    """Load an fp32 ``LlamaForCausalLM`` in eval mode; a corrupt checkpoint is a SourceError."""
+def load_causal_lm(folder: Path, attn_implementation: str | None = None) -> Any:
+    """Load an fp32 ``LlamaForCausalLM`` in eval mode; a corrupt checkpoint is a SourceError.
+
+    ``attn_implementation`` picks transformers' attention code ("eager", "sdpa"; None: its default).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, use_safetensors=True, trust_remote_code=False
+            folder,
+            dtype=torch.float32,
+            use_safetensors=True,
+            trust_remote_code=False,
+            attn_implementation=attn_implementation,
         )
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise SourceError(

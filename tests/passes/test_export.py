@@ -83,3 +83,19 @@ def test_export_is_deterministic(tiny_source: Artifact, tiny_graph: Artifact, tm
     # Later passes are keyed by this output's digest: re-exporting must not change it.
     ExportPass().run(tiny_source, tmp_path)
     assert Artifact.from_dir(Kind.GRAPH, tmp_path).digest == tiny_graph.digest
+
+
+def test_sdpa_attention_exports_with_parity(tiny_source: Artifact, tmp_path: Path) -> None:
+    export = ExportPass(attention="sdpa")
+    export.run(tiny_source, tmp_path)
+    graph = onnx.load(str(tmp_path / MODEL_FILE), load_external_data=False)
+    assert "IsNaN" in {node.op_type for node in graph.graph.node}  # SDPA's decomposition, not eager's
+    assert (
+        export.ensures(tiny_source, Artifact.from_dir(Kind.GRAPH, tmp_path))["parity"]["top1_agreement"]
+        == 1.0
+    )
+
+
+def test_eager_attention_is_the_default(tiny_graph: Artifact) -> None:
+    graph = onnx.load(str(tiny_graph.path / MODEL_FILE), load_external_data=False)
+    assert "IsNaN" not in {node.op_type for node in graph.graph.node}

@@ -44,6 +44,7 @@ def test_every_group_exists(group: str) -> None:
         ("export.bogus=1", "bogus"),
         ("export.opset=seventeen", "opset"),
         ("target.graph_optimization_level=max", "graph_optimization_level"),
+        ("export.attention=flash", "attention"),
         ("bench.repeats=many", "repeats"),
         ("pipeline.cache=maybe", "cache"),
         ("quant.bits=4", "bits"),

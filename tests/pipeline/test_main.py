@@ -89,6 +89,14 @@ def test_second_run_is_served_from_cache(first_run: tuple[Path, dict], tiny_llam
     assert "hit" in result.stdout and "(cached)" in result.stdout
 
 
+def test_benchmark_reuse_false_measures_again(first_run: tuple[Path, dict], tiny_llama: Path) -> None:
+    workdir, manifest = first_run
+    result = run_pipeline(tiny_llama, workdir, "run4", *QUICK_BENCH, "bench.reuse=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    bench = json.loads((workdir / "run4" / "manifest.json").read_text())["benchmark"]
+    assert bench["cache_hit"] is False and bench["measured_at"] >= manifest["benchmark"]["measured_at"]
+
+
 def test_benchmark_can_be_skipped(first_run: tuple[Path, dict], tiny_llama: Path) -> None:
     workdir, _ = first_run
     result = run_pipeline(tiny_llama, workdir, "run3", "bench=none")
