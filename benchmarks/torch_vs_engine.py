@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere: make ``pipeline`` importable
     sys.path.insert(0, str(REPO))
 
-from pipeline.bench import host_info  # noqa: E402
+from pipeline.bench import host_info, summarize  # noqa: E402
 from pipeline.errors import EngineError, SourceError  # noqa: E402
 
 GREEDY_CHECK_TOKENS = 16
@@ -161,16 +161,6 @@ def torch_generate(
     return wall, clock
 
 
-def summary(seconds: list[float]) -> dict[str, Any]:
-    return {
-        "median_ms": round(statistics.median(seconds) * 1e3, 3),
-        "min_ms": round(min(seconds) * 1e3, 3),
-        "max_ms": round(max(seconds) * 1e3, 3),
-        "runs": len(seconds),
-        "samples_ms": [round(s * 1e3, 3) for s in seconds],
-    }
-
-
 def ratio(torch_s: dict[str, Any], engine_s: dict[str, Any]) -> float:
     return round(torch_s["median_ms"] / engine_s["median_ms"], 3) if engine_s["median_ms"] else float("nan")
 
@@ -267,14 +257,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     ttft = {}
     for length in ttft_prompts:
-        t, e = summary(samples[f"torch_ttft_{length}"]), summary(samples[f"engine_ttft_{length}"])
+        t, e = summarize(samples[f"torch_ttft_{length}"]), summarize(samples[f"engine_ttft_{length}"])
         ttft[str(length)] = {
             "torch": t,
             "engine": e,
             "ratio": ratio(t, e),
-            "torch_prefill_inside_generate": summary(samples[f"torch_prefill_{length}"]),
+            "torch_prefill_inside_generate": summarize(samples[f"torch_prefill_{length}"]),
         }
-    t, e = summary(samples["torch_tpot"]), summary(samples["engine_tpot"])
+    t, e = summarize(samples["torch_tpot"]), summarize(samples["engine_tpot"])
     checked = GREEDY_CHECK_TOKENS
     agree = agreeing_prefix(torch_tokens[:checked], engine_tokens[:checked])
     return {

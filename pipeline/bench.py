@@ -59,12 +59,14 @@ def host_info() -> dict[str, Any]:
     }
 
 
-def _summary(seconds: list[float]) -> dict[str, float]:
+def summarize(seconds: list[float]) -> dict[str, Any]:
+    """Median, min, max and the raw samples of timings given in seconds, in milliseconds."""
     return {
-        "median_ms": round(statistics.median(seconds) * 1e3, 2),
-        "min_ms": round(min(seconds) * 1e3, 2),
-        "max_ms": round(max(seconds) * 1e3, 2),
+        "median_ms": round(statistics.median(seconds) * 1e3, 3),
+        "min_ms": round(min(seconds) * 1e3, 3),
+        "max_ms": round(max(seconds) * 1e3, 3),
         "runs": len(seconds),
+        "samples_ms": [round(s * 1e3, 3) for s in seconds],
     }
 
 
@@ -99,7 +101,7 @@ def run_benchmark(engine_dir: Path, config: BenchConfig) -> dict[str, Any]:
             if run >= config.warmup:
                 samples.append(result.prefill_seconds)
             bar.update()
-        ttft[str(length)] = _summary(samples)
+        ttft[str(length)] = summarize(samples)
 
     prompts = _prompt(rng, vocab, config.batch_size, decode_prompt)
     per_run_tpot = []
@@ -116,7 +118,7 @@ def run_benchmark(engine_dir: Path, config: BenchConfig) -> dict[str, Any]:
         "config": asdict(config),
         "ttft": ttft,
         "skipped_prompt_lengths": skipped,
-        "tpot": {**_summary(per_run_tpot), "prompt_length": decode_prompt, "tokens": config.decode_tokens},
+        "tpot": {**summarize(per_run_tpot), "prompt_length": decode_prompt, "tokens": config.decode_tokens},
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "load_average": {
             "before": [round(x, 2) for x in load_before],

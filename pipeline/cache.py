@@ -37,15 +37,20 @@ ENTRY_FILE = "entry.json"
 OUTPUT_DIR = "output"
 
 
-def library_versions() -> dict[str, str]:
-    """Installed versions of :data:`KEY_LIBRARIES` (``"absent"`` when not installed)."""
+def installed_versions(names: tuple[str, ...]) -> dict[str, str]:
+    """Installed distribution versions (``"absent"`` when not installed)."""
     versions = {}
-    for name in KEY_LIBRARIES:
+    for name in names:
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "absent"
     return versions
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of :data:`KEY_LIBRARIES`, the libraries that shape pass outputs."""
+    return installed_versions(KEY_LIBRARIES)
 
 
 def cache_key(input_digest: str, pass_name: str, pass_version: int, config: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pipeline.artifacts import Artifact, Kind
 from pipeline.base import Pass
-from pipeline.cache import Cache, cache_key
+from pipeline.cache import Cache, CacheEntry, cache_key
 from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -74,23 +74,10 @@ class PassManager:
     def _run_one(self, index: int, step: Pass, source: Artifact) -> tuple[Artifact, PassRecord]:
         config = step.config_dict()
         key = cache_key(source.digest, step.name, step.version, config)
-        cls_path = f"{type(step).__module__}.{type(step).__qualname__}"
-        hit = self.cache.lookup(key, step.produces)
-        if hit is not None:
+        entry = self.cache.lookup(key, step.produces)
+        if entry is not None:
             log.info("pass %d/%d %s: cache hit (%s)", index, len(self.passes), step.name, key[:12])
-            record = PassRecord(
-                name=step.name,
-                pass_class=cls_path,
-                version=step.version,
-                config=config,
-                input_digest=source.digest,
-                output_digest=hit.artifact.digest,
-                seconds=float(hit.record.get("seconds", 0.0)),
-                cache_hit=True,
-                cache_key=key,
-                metrics=hit.record.get("metrics", {}),
-            )
-            return hit.artifact, record
+            return entry.artifact, _record(step, entry, cache_hit=True)
 
         log.info("pass %d/%d %s: running", index, len(self.passes), step.name)
         step.requires(source)
@@ -116,16 +103,21 @@ class PassManager:
                 },
             )
         log.info("pass %d/%d %s: done in %.1f s", index, len(self.passes), step.name, seconds)
-        record = PassRecord(
-            name=step.name,
-            pass_class=cls_path,
-            version=step.version,
-            config=config,
-            input_digest=source.digest,
-            output_digest=entry.artifact.digest,
-            seconds=seconds,
-            cache_hit=False,
-            cache_key=key,
-            metrics=metrics,
-        )
-        return entry.artifact, record
+        return entry.artifact, _record(step, entry, cache_hit=False)
+
+
+def _record(step: Pass, entry: CacheEntry, cache_hit: bool) -> PassRecord:
+    """The run-record line of a pass, from its cache entry (fresh or reused)."""
+    stored = entry.record
+    return PassRecord(
+        name=step.name,
+        pass_class=f"{type(step).__module__}.{type(step).__qualname__}",
+        version=step.version,
+        config=stored["config"],
+        input_digest=stored["input_digest"],
+        output_digest=entry.artifact.digest,
+        seconds=float(stored.get("seconds", 0.0)),
+        cache_hit=cache_hit,
+        cache_key=entry.key,
+        metrics=stored.get("metrics", {}),
+    )

@@ -9,7 +9,6 @@ Bump :data:`SCHEMA_VERSION` on any incompatible change; consumers check it.
 from __future__ import annotations
 
 import datetime as dt
-import importlib.metadata
 import platform
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 from pipeline import __version__
 from pipeline.artifacts import Artifact, file_digests, write_json
 from pipeline.bench import host_info
-from pipeline.cache import library_versions
+from pipeline.cache import installed_versions, library_versions
 from pipeline.manager import PassRecord
 
 SCHEMA_VERSION = 1
@@ -26,13 +25,12 @@ EXTRA_LIBRARIES = ("numpy", "safetensors", "hydra-core", "gguf")
 
 
 def all_library_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version(), "llm-pipeline": __version__, **library_versions()}
-    for name in EXTRA_LIBRARIES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "absent"
-    return versions
+    return {
+        "python": platform.python_version(),
+        "llm-pipeline": __version__,
+        **library_versions(),
+        **installed_versions(EXTRA_LIBRARIES),
+    }
 
 
 def engine_files(folder: Path) -> list[dict[str, Any]]:
