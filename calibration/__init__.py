@@ -1,2 +1,4 @@
-"""Calibration data and observers that serve quantization passes (filled by the quantization
-issue). It imports no pass."""
+"""Calibration data and observers that serve quantization passes. Imports no pass.
+
+``datasets``: shipped text (``data/``, with source and licence) cut into seeded token windows.
+"""

@@ -40,6 +40,8 @@ from pipeline.torch_model import load_causal_lm, load_tokenizer
 log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.onnx"
+EXTRAS_DIR = "extras"  # torch-stage passes leave data for graph-stage passes here
+WRAPPER_SCOPE = "/model/"  # node-name prefix of the flat-KV wrapper module
 DATA_FILE = "model.onnx.data"
 CARRIED_FILES = (
     "config.json",
@@ -90,7 +92,7 @@ def _token_ids(hf_config: dict[str, Any], generation: dict[str, Any], tokenizer:
 class ExportPass(Pass):
     Config = ExportConfig
     name = "export"
-    version = 1
+    version = 2
     consumes = Kind.TORCH
     produces = Kind.GRAPH
 
@@ -105,6 +107,7 @@ class ExportPass(Pass):
             start("write external data")
             graph = onnx.load(str(out_dir / "traced.onnx"))
             (out_dir / "traced.onnx").unlink()
+            linear_weights = name_linear_weights(graph)
             # One external-data file beside the graph (the GenAI layout; required past 2 GB anyway).
             onnx.save_model(
                 graph,
@@ -117,6 +120,8 @@ class ExportPass(Pass):
         for name in CARRIED_FILES:
             if (source.path / name).is_file():
                 shutil.copy2(source.path / name, out_dir / name)
+        if (source.path / EXTRAS_DIR).is_dir():  # side data of torch-stage passes for graph passes
+            shutil.copytree(source.path / EXTRAS_DIR, out_dir / EXTRAS_DIR)
         hf_config = json.loads((source.path / "config.json").read_text())
         gen_path = source.path / "generation_config.json"
         generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
@@ -134,6 +139,7 @@ class ExportPass(Pass):
                 "max_length": int(getattr(config, "max_position_embeddings", 2048)),
                 "opset": self.config.opset,
                 "model_file": MODEL_FILE,
+                "linear_weights": linear_weights,
             },
         )
         return {"nodes": len(graph.graph.node), "opset": self.config.opset}
@@ -190,6 +196,34 @@ class ExportPass(Pass):
                 "the exported graph is wrong"
             )
         return {"parity": parity}
+
+
+def name_linear_weights(graph: Any) -> dict[str, str]:
+    """Rename each linear layer's weight initializer after its module; return module -> name.
+
+    The TorchScript exporter folds ``weight.T`` into anonymous initializers (``onnx::MatMul_662``)
+    but names each MatMul node after its module scope (``/model/model/layers.0/mlp/up_proj/MatMul``).
+    Quantization passes select layers by module name (``quant.exclude=[lm_head]``), so the weight
+    ([in, out], i.e. the transposed torch weight) is renamed ``<module>.weight_t``.
+    """
+    initializers = {init.name: init for init in graph.graph.initializer}
+    uses: dict[str, int] = {}
+    for node in graph.graph.node:
+        for name in node.input:
+            uses[name] = uses.get(name, 0) + 1
+    renamed: dict[str, str] = {}
+    for node in graph.graph.node:
+        if node.op_type != "MatMul" or not node.name.endswith("/MatMul") or len(node.input) != 2:
+            continue
+        weight = node.input[1]
+        if weight not in initializers or uses[weight] != 1 or len(initializers[weight].dims) != 2:
+            continue
+        module = node.name.removeprefix(WRAPPER_SCOPE).removesuffix("/MatMul").strip("/").replace("/", ".")
+        new_name = f"{module}.weight_t"
+        initializers[weight].name = new_name
+        node.input[1] = new_name
+        renamed[module] = new_name
+    return renamed
 
 
 def _flat_kv_decoder(model: Any, num_layers: int) -> Any:

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import PassError
 
-__all__ = ["Pass", "PassError"]
+__all__ = ["Pass", "PassError", "Recipe"]
 
 
 class Pass(ABC):
@@ -55,3 +55,25 @@ class Pass(ABC):
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
         """Check the output; raise :class:`PassError` on failure; return metrics to record."""
         return {}
+
+
+class Recipe(ABC):
+    """A user-facing recipe that expands to several passes sharing one flat config.
+
+    ``quant=int4_gptq`` is one config node (``quant.group_size=128``) but two passes: GPTQ in
+    torch before export and the lowering of its weights in the graph after it. The manager
+    places each expanded pass where its input kind first exists (see ``pipeline.plugins``).
+    """
+
+    Config: ClassVar[type]
+    name: ClassVar[str]
+
+    def __init__(self, **config: Any) -> None:
+        try:
+            self.config = self.Config(**config)
+        except TypeError as exc:
+            raise PassError(f"recipe '{self.name}': bad config ({exc})") from None
+
+    @abstractmethod
+    def passes(self) -> list[Pass]:
+        """The passes this recipe runs, in order."""

@@ -21,6 +21,10 @@ class EngineError(PipelineError):
     """An engine folder cannot be loaded or run."""
 
 
+class CalibrationError(PipelineError):
+    """Calibration data or collected statistics are unusable (too little text, NaN/inf, ...)."""
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (library messages can span many lines)."""
     text = str(exc).strip()

@@ -16,7 +16,8 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.base import Pass
+from pipeline.artifacts import Kind
+from pipeline.base import Pass, Recipe
 from pipeline.errors import ConfigError
 
 PASS_PACKAGE = "passes"
@@ -32,8 +33,8 @@ def discover_passes(package: str = PASS_PACKAGE) -> list[str]:
     return names
 
 
-def pass_class(target: str, where: str) -> type[Pass]:
-    """Resolve ``target`` to a Pass subclass under ``passes``, or raise a ConfigError."""
+def pass_class(target: str, where: str) -> type[Pass | Recipe]:
+    """Resolve ``target`` to a Pass or Recipe subclass under ``passes``, or raise a ConfigError."""
     module_name, _, attr = target.rpartition(".")
     if not module_name or not (module_name == PASS_PACKAGE or module_name.startswith(PASS_PACKAGE + ".")):
         raise ConfigError(f"{where}: _target_ '{target}' is not under '{PASS_PACKAGE}.'; only passes may run")
@@ -42,8 +43,8 @@ def pass_class(target: str, where: str) -> type[Pass]:
     except ImportError as exc:
         raise ConfigError(f"{where}: cannot import '{module_name}' for _target_ '{target}' ({exc})") from None
     cls = getattr(module, attr, None)
-    if not (isinstance(cls, type) and issubclass(cls, Pass)) or cls is Pass:
-        raise ConfigError(f"{where}: _target_ '{target}' is not a Pass subclass")
+    if not (isinstance(cls, type) and issubclass(cls, Pass | Recipe)) or cls in (Pass, Recipe):
+        raise ConfigError(f"{where}: _target_ '{target}' is not a Pass or Recipe subclass")
     return cls
 
 
@@ -65,14 +66,43 @@ def _pass_nodes(key: str, node: Any) -> list[tuple[str, DictConfig]]:
     return found
 
 
-def build_passes(cfg: DictConfig) -> list[Pass]:
-    """Instantiate the passes the recipe selects, in ``pipeline.order``."""
-    passes: list[Pass] = []
+def build_passes(cfg: DictConfig, source_kind: Kind = Kind.TORCH) -> list[Pass]:
+    """Instantiate the passes the recipe selects and arrange them along ``pipeline.order``."""
+    entries: list[tuple[str, Pass]] = []
     for key in cfg.pipeline.order:
         if key not in cfg:
             raise ConfigError(f"pipeline.order names '{key}', which is not a config group")
         for where, node in _pass_nodes(key, cfg[key]):
             pass_class(str(node._target_), where)
             plain = OmegaConf.to_container(node, resolve=True)
-            passes.append(instantiate(plain, _convert_="all"))
-    return passes
+            built = instantiate(plain, _convert_="all")
+            expanded = built.passes() if isinstance(built, Recipe) else [built]
+            entries.extend((where, step) for step in expanded)
+    return arrange(entries, source_kind)
+
+
+def arrange(entries: list[tuple[str, Pass]], source_kind: Kind) -> list[Pass]:
+    """Order passes along the recipe, moving a pass forward only to where its input first exists.
+
+    A recipe group may hold passes of two stages (GPTQ in torch, its lowering in the graph):
+    each pass runs at its group's place in ``pipeline.order`` or, if that place does not yet hold
+    the kind it consumes, as soon as that kind appears. Kinds only move forward (torch ->
+    graph -> engine), so a pass placed after the kind it needs is a configuration error.
+    """
+    placed: list[Pass] = []
+    pending: list[tuple[str, Pass, Kind, str]] = []  # + the kind and its producer on arrival
+    kind, producer = source_kind, "the model source"
+    for where, step in entries:
+        pending.append((where, step, kind, producer))
+        while ready := [i for i, entry in enumerate(pending) if entry[1].consumes == kind]:
+            where_placed, placed_step, _, _ = pending.pop(ready[0])
+            placed.append(placed_step)
+            kind, producer = placed_step.produces, f"'{placed_step.name}' ({where_placed})"
+    if pending:
+        where, step, kind, producer = pending[0]
+        raise ConfigError(
+            f"pass '{step.name}' ({where}) consumes {step.consumes.label}, but where '{where}' stands in "
+            f"pipeline.order the recipe already holds {kind.label} from {producer}: move '{where}' "
+            "earlier in pipeline.order"
+        )
+    return placed

@@ -99,3 +99,16 @@ def test_sdpa_attention_exports_with_parity(tiny_source: Artifact, tmp_path: Pat
 def test_eager_attention_is_the_default(tiny_graph: Artifact) -> None:
     graph = onnx.load(str(tiny_graph.path / MODEL_FILE), load_external_data=False)
     assert "IsNaN" not in {node.op_type for node in graph.graph.node}
+
+
+def test_linear_weights_are_named_after_their_modules(tiny_llama: Path, tiny_graph: Artifact) -> None:
+    from safetensors.numpy import load_file
+
+    weights = load_file(str(tiny_llama / "model.safetensors"))
+    graph = onnx.load(str(tiny_graph.path / MODEL_FILE))
+    initializers = {t.name: numpy_helper.to_array(t) for t in graph.graph.initializer}
+    linear = tiny_graph.metadata["linear_weights"]
+    assert len(linear) == 2 * 7 + 1  # q k v o gate up down per layer, and lm_head
+    for module, name in linear.items():
+        torch_name = "model.embed_tokens.weight" if module == "lm_head" else f"{module}.weight"  # tied
+        np.testing.assert_array_equal(initializers[name], weights[torch_name].T)

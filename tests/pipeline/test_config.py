@@ -65,9 +65,14 @@ def test_overrides_reach_the_pass_config() -> None:
     assert build.config.intra_op_num_threads == 2
 
 
-def test_wrong_order_is_a_config_error() -> None:
+def test_a_pass_waits_for_the_kind_it_consumes() -> None:
     cfg = compose_recipe(["pipeline.order=[target,export]"])
-    with pytest.raises(ConfigError, match="consumes an ONNX graph but receives a torch model"):
+    assert [type(p) for p in build_passes(cfg)] == [ExportPass, OrtCpuBuildPass]
+
+
+def test_order_without_target_is_a_config_error() -> None:
+    cfg = compose_recipe(["pipeline.order=[export]"])
+    with pytest.raises(ConfigError, match="ends with an ONNX graph"):
         validate(build_passes(cfg), Kind.TORCH)
 
 
