@@ -14,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from pipeline.config import register_pipeline_schemas
+from pipeline.config import QualityConfig, register_pipeline_schemas
 from pipeline.errors import PipelineError
 from pipeline.plugins import discover_passes
 
@@ -26,13 +26,18 @@ discover_passes()
 
 @hydra.main(config_path="../configs", config_name="pipeline", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from evals.agreement import compare
     from pipeline.run import run_pipeline
+    from pipeline.runtime import Engine
     from pipeline.summary import print_summary
+
+    def quality(candidate: Path, reference: Path | None, config: QualityConfig) -> dict:
+        return compare(Engine(candidate), Engine(reference) if reference else None, config)
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        result = run_pipeline(cfg, run_dir, list(hydra_cfg.overrides.task))
+        result = run_pipeline(cfg, run_dir, list(hydra_cfg.overrides.task), quality_fn=quality)
     except PipelineError as exc:
         log.debug("pipeline error", exc_info=True)
         print(f"error: {exc}", file=sys.stderr)

@@ -68,6 +68,18 @@ class BenchConfig:
 
 
 @dataclass
+class QualityConfig:
+    """Quality numbers of every run: perplexity, token KL and top-1 agreement of the engine vs the
+    reference engine (same source, no optimization passes) on held-out text (``evals/data/``)."""
+
+    enabled: bool = True
+    text: str = "gpl-3.0"
+    # Tokens per window (capped by the engine's max_length) and tokens scored in all.
+    window: int = 512
+    max_tokens: int = 4096
+
+
+@dataclass
 class PipelineConfig:
     model: ModelConfig = MISSING
     pipeline: PipelineSettings = field(default_factory=PipelineSettings)
@@ -83,6 +95,7 @@ class PipelineConfig:
     eval: Any = None
     registry: Any = None
     bench: BenchConfig = MISSING
+    quality: QualityConfig = field(default_factory=QualityConfig)
 
 
 def register_pass(group: str, name: str, node: type) -> None:

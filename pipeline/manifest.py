@@ -2,7 +2,8 @@
 
 Schema version 1: ``source``, ``recipe`` (resolved config) and ``overrides``, ``passes``
 (name, version, config, input/output digests, seconds, cache hit, metrics), ``engine`` (files
-with sha256 and size), ``libraries``, ``host``, ``benchmark``, ``gate``.
+with sha256 and size), ``libraries``, ``host``, ``benchmark``, ``quality`` (perplexity, KL and
+top-1 agreement vs the reference engine on held-out text), ``gate``.
 Bump :data:`SCHEMA_VERSION` on any incompatible change; consumers check it.
 """
 
@@ -49,6 +50,7 @@ def build_manifest(
     engine: Artifact,
     engine_dir: Path,
     benchmark: dict[str, Any] | None,
+    quality: dict[str, Any] | None,
     started: dt.datetime,
 ) -> dict[str, Any]:
     finished = dt.datetime.now(dt.UTC)
@@ -69,6 +71,7 @@ def build_manifest(
         "libraries": all_library_versions(),
         "host": host_info(),
         "benchmark": benchmark,
+        "quality": quality,
         "gate": {"verdict": "not-run", "reason": "no eval gate configured (eval=none)"},
     }
 

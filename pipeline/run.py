@@ -9,20 +9,24 @@ a crash leaves finished files or nothing (plus Hydra's log and ``.hydra/``).
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import json
 import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline.artifacts import Artifact, Kind
+from pipeline.artifacts import Artifact, Kind, write_json
+from pipeline.base import Pass
 from pipeline.bench import measure
-from pipeline.cache import Cache
-from pipeline.config import BenchConfig, ModelConfig
+from pipeline.cache import Cache, library_versions
+from pipeline.config import BenchConfig, ModelConfig, QualityConfig
 from pipeline.manager import PassManager, validate
 from pipeline.manifest import build_manifest, write_manifest
 from pipeline.plugins import build_passes
@@ -31,6 +35,11 @@ from pipeline.sources import resolve_source
 log = logging.getLogger(__name__)
 
 ENGINE_DIR = "engine"
+# Groups whose passes optimize; the reference engine is the same recipe with all of them off.
+OPTIMIZATION_GROUPS = ("prune", "distill", "quant", "kv_cache", "fusion")
+
+# (candidate engine folder, reference engine folder or None when identical, config) -> record
+QualityFn = Callable[[Path, Path | None, QualityConfig], dict[str, Any]]
 
 
 @dataclass
@@ -56,7 +65,23 @@ def place_engine(engine: Artifact, run_dir: Path) -> Path:
     return final
 
 
-def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> RunResult:
+def reference_passes(cfg: DictConfig) -> list[Pass]:
+    """The passes of the reference engine: this recipe with every optimization group off."""
+    reference = cfg.copy()
+    with open_dict(reference):
+        for group in OPTIMIZATION_GROUPS:
+            reference[group] = {}
+    return build_passes(reference)
+
+
+def run_pipeline(
+    cfg: DictConfig,
+    run_dir: Path,
+    overrides: list[str] | None = None,
+    quality_fn: QualityFn | None = None,
+) -> RunResult:
+    """Run the recipe. ``quality_fn`` (from the entry point, which may import ``evals``) scores
+    the engine against the reference engine on held-out text."""
     started = dt.datetime.now(dt.UTC)
     run_dir.mkdir(parents=True, exist_ok=True)
     passes = build_passes(cfg)
@@ -76,8 +101,13 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = N
     bench_cfg = OmegaConf.to_object(cfg.bench)
     assert isinstance(bench_cfg, BenchConfig)
     benchmark = None
+    quality_cfg = OmegaConf.to_object(cfg.quality)
+    assert isinstance(quality_cfg, QualityConfig)
+    quality = None
     try:
         engine, records = PassManager(passes, cache).run(source)
+        if quality_fn is not None and quality_cfg.enabled:
+            quality = _quality(cfg, source, cache, engine, quality_cfg, quality_fn)
         if bench_cfg.enabled:  # measured where the engine lies, before anything lands in run_dir
             bench_cache = Path(cfg.pipeline.cache_dir) if cfg.pipeline.cache else None
             benchmark = measure(engine.path, engine.digest, bench_cfg, bench_cache)
@@ -94,6 +124,33 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = N
         engine=Artifact.from_dir(Kind.ENGINE, engine_dir, engine.digest),
         engine_dir=engine_dir,
         benchmark=benchmark,
+        quality=quality,
         started=started,
     )
     return RunResult(run_dir, engine_dir, write_manifest(run_dir, manifest), manifest)
+
+
+def _quality(
+    cfg: DictConfig,
+    source: Artifact,
+    cache: Cache,
+    engine: Artifact,
+    config: QualityConfig,
+    quality_fn: QualityFn,
+) -> dict[str, Any]:
+    """Build (or reuse from the cache) the reference engine and score the engine against it."""
+    log.info("quality: reference engine (no optimization passes)")
+    reference, _ = PassManager(reference_passes(cfg), cache).run(source)
+    # Deterministic given both engines and the settings, so kept like a pass output.
+    payload = {"engine": engine.digest, "reference": reference.digest, "config": asdict(config)}
+    key = hashlib.sha256(json.dumps({**payload, "libs": library_versions()}, sort_keys=True).encode())
+    stored = cache.root / "quality" / f"{key.hexdigest()}.json"
+    if cache.enabled and stored.is_file():
+        return {**json.loads(stored.read_text()), "cache_hit": True}
+    log.info("quality: scoring on held-out text '%s'", config.text)
+    same = reference.digest == engine.digest
+    record = {**quality_fn(engine.path, None if same else reference.path, config), **payload}
+    if cache.enabled:
+        stored.parent.mkdir(parents=True, exist_ok=True)
+        write_json(stored, record)
+    return {**record, "cache_hit": False}

@@ -63,6 +63,23 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
             f"peak RSS {bench['peak_rss_mib']:.0f} MiB · load average {load['before'][0]:.2f} → "
             f"{load['after'][0]:.2f} on {bench['host']['logical_cores']} cores ({bench['host']['cpu']})"
         )
+    quality = manifest.get("quality")
+    if quality:
+        table = Table(
+            title=f"Quality on held-out text ({quality['text']}, {quality['tokens_scored']} tokens)",
+            title_justify="left",
+        )
+        for column in ("perplexity", "reference perplexity", "Δ perplexity", "KL (mean)", "top-1 agreement"):
+            table.add_column(column, justify="right")
+        delta = quality["perplexity"] / quality["reference_perplexity"] - 1
+        table.add_row(
+            f"{quality['perplexity']:.3f}",
+            f"{quality['reference_perplexity']:.3f}",
+            f"{delta:+.2%}",
+            f"{quality['kl_mean']:.5f}",
+            f"{quality['top1_agreement']:.2%}",
+        )
+        console.print(table)
     engine = manifest["engine"]
     size = sum(f["bytes"] for f in engine["files"]) / 2**20
     console.print(f"engine  {run_dir / engine['path']}  ({engine['target']}, {size:.0f} MiB)")

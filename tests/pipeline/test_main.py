@@ -67,6 +67,13 @@ def test_run_writes_engine_and_record(first_run: tuple[Path, dict]) -> None:
     assert manifest["recipe"]["export"]["_target_"] == "passes.export.ExportPass"
 
 
+def test_run_records_quality_on_held_out_text(first_run: tuple[Path, dict]) -> None:
+    quality, engine_digest = first_run[1]["quality"], first_run[1]["engine"]["digest"]
+    assert quality["same_engine"] and quality["engine"] == quality["reference"] == engine_digest
+    assert quality["perplexity"] > 1 and quality["tokens_scored"] > 1000
+    assert quality["kl_mean"] == 0.0 and quality["top1_agreement"] == 1.0 and not quality["cache_hit"]
+
+
 def test_run_benchmarks_the_engine(first_run: tuple[Path, dict]) -> None:
     bench = first_run[1]["benchmark"]
     assert set(bench["ttft"]) == {"16", "32"}
@@ -86,6 +93,8 @@ def test_second_run_is_served_from_cache(first_run: tuple[Path, dict], tiny_llam
     assert manifest["benchmark"]["cache_hit"] is False and again["benchmark"]["cache_hit"] is True
     assert again["benchmark"]["ttft"] == manifest["benchmark"]["ttft"]
     assert again["benchmark"]["measured_at"] == manifest["benchmark"]["measured_at"]
+    assert again["quality"]["cache_hit"]
+    assert again["quality"]["perplexity"] == manifest["quality"]["perplexity"]
     assert "hit" in result.stdout and "(cached)" in result.stdout
 
 
@@ -154,4 +163,7 @@ def test_ctrl_c_leaves_no_partial_output(tiny_llama: Path, tmp_path: Path, when:
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".hydra", "__main__.log"]
     assert list((tmp_path / "cache" / ".staging").iterdir()) == []
     for entry in (tmp_path / "cache").iterdir():
-        assert entry.name == ".staging" or (entry / "entry.json").is_file()
+        if entry.name in ("bench", "quality"):  # records written whole by rename
+            assert all(json.loads(record.read_text()) for record in entry.iterdir())
+        else:
+            assert entry.name == ".staging" or (entry / "entry.json").is_file()

@@ -1,0 +1,79 @@
+"""Held-out agreement through real engines, checked against torch computed independently."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from evals.agreement import compare, held_out_windows
+from passes.build import OrtCpuBuildPass
+from passes.export import ExportPass
+from pipeline.artifacts import Artifact, Kind
+from pipeline.config import QualityConfig
+from pipeline.errors import EngineError
+from pipeline.runtime import Engine
+from pipeline.torch_model import load_causal_lm
+from tests.conftest import make_tiny_llama
+
+CONFIG = QualityConfig(window=64, max_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def other_engine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A second tiny Llama (other seed, same tokenizer) built into an engine."""
+    root = tmp_path_factory.mktemp("other")
+    model = make_tiny_llama(root / "model", seed=1)
+    source = Artifact.from_dir(Kind.TORCH, model)
+    (root / "graph").mkdir()
+    ExportPass().run(source, root / "graph")
+    (root / "engine").mkdir()
+    OrtCpuBuildPass().run(Artifact.from_dir(Kind.GRAPH, root / "graph"), root / "engine")
+    return model, root / "engine"
+
+
+def torch_log_probs(model_dir: Path, windows: np.ndarray) -> torch.Tensor:
+    model = load_causal_lm(model_dir)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor(windows)).logits[:, :-1].double(), -1)
+
+
+def test_windows_are_capped_by_the_engine(tiny_engine: Artifact) -> None:
+    engine = Engine(tiny_engine.path)
+    windows = held_out_windows(engine, QualityConfig(window=10_000, max_tokens=2048))
+    assert windows.shape == (2048 // 256, 256)
+
+
+def test_same_engine_scores_perplexity_only(tiny_engine: Artifact, tiny_llama: Path) -> None:
+    engine = Engine(tiny_engine.path)
+    result = compare(engine, None, CONFIG)
+    windows = held_out_windows(engine, CONFIG)
+    log_probs = torch_log_probs(tiny_llama, windows)
+    targets = torch.tensor(windows[:, 1:])
+    nll = -log_probs.gather(-1, targets[..., None]).mean()
+    assert result["perplexity"] == pytest.approx(float(torch.exp(nll)), rel=1e-4)
+    assert result["same_engine"] and result["kl_mean"] == 0.0 and result["top1_agreement"] == 1.0
+    assert result["tokens_scored"] == 4 * 63
+
+
+def test_kl_and_agreement_against_another_model(
+    tiny_engine: Artifact, tiny_llama: Path, other_engine: tuple[Path, Path]
+) -> None:
+    other_model, other_dir = other_engine
+    reference = Engine(tiny_engine.path)
+    result = compare(Engine(other_dir), reference, CONFIG)
+    windows = held_out_windows(reference, CONFIG)
+    ref = torch_log_probs(tiny_llama, windows)
+    cand = torch_log_probs(other_model, windows)
+    kl = (ref.exp() * (ref - cand)).sum(-1).mean()
+    agreement = (ref.argmax(-1) == cand.argmax(-1)).double().mean()
+    assert result["kl_mean"] == pytest.approx(float(kl), rel=1e-3)
+    assert result["top1_agreement"] == pytest.approx(float(agreement), abs=1e-6)
+    assert result["kl_mean"] > 0 and not result["same_engine"]
+
+
+def test_unknown_text_is_refused(tiny_engine: Artifact) -> None:
+    with pytest.raises(EngineError, match=r"quality\.text='wiki' is unknown"):
+        held_out_windows(Engine(tiny_engine.path), QualityConfig(text="wiki"))
