@@ -27,6 +27,9 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
         if parity:
             agreement, diff = parity["top1_agreement"], parity["max_abs_diff"]
             notes = f"ORT vs torch: top-1 {agreement:.0%}, max |Δlogit| {diff:.1e}"
+        elif vs_input := record["metrics"].get("vs_input"):
+            agreement, diff = vs_input["top1_agreement"], vs_input["max_abs_diff"]
+            notes = f"vs input graph: top-1 {agreement:.0%}, max |Δlogit| {diff:.1e}"
         passes.add_row(
             str(index),
             record["name"],
