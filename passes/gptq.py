@@ -1,0 +1,251 @@
+"""GPTQ: INT4 weight-only quantization with Hessian-based error feedback (torch stage), and the
+``quant=int4_gptq`` recipe (GPTQ in torch, then ``passes.matmulnbits`` in the graph).
+
+Algorithm: Frantar, Ashkboos, Hoefler, Alistarh, "GPTQ: Accurate Post-Training Quantization for
+Generative Pre-trained Transformers" (ICLR 2023, arXiv:2210.17323), Algorithm 1: for each linear
+layer, ``H = 2 X^T X`` over the calibration inputs ``X``; columns are quantized one at a time and
+each column's rounding error, scaled by the inverse Hessian's Cholesky factor, is pushed onto the
+columns not yet quantized (lazy batch updates of 128 columns). ``act_order`` quantizes columns by
+decreasing ``diag(H)`` with "static groups" (AutoGPTQ): group parameters are fixed from the
+unchanged weights first, so groups stay contiguous along the input dim, as MatMulNBits needs.
+Layers are processed sequentially (the paper; AutoGPTQ, gpt-fast's ``quantize.py``): decoder layer
+``i`` is calibrated on the outputs of the already-quantized layers ``< i``. ``lm_head`` (untied
+from the embedding) is quantized last, on the final RMSNorm's outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from passes.int4 import (
+    CALIBRATION_BATCH,
+    LM_HEAD,
+    MAXQ,
+    Int4Recipe,
+    Int4RecipeConfig,
+    QuantizedLinear,
+    TorchInt4Config,
+    TorchInt4Pass,
+    check_finite,
+    first_layer_inputs,
+    group_params,
+    input_hooks,
+    run_layer,
+)
+from pipeline.config import register_pass
+from pipeline.errors import CalibrationError, ConfigError
+
+log = logging.getLogger(__name__)
+
+BLOCK_COLUMNS = 128  # lazy-batch width of the paper; a multiple of every group size
+
+
+@dataclass
+class GptqConfig(TorchInt4Config):
+    _target_: str = "passes.gptq.GptqPass"
+    # Dampening added to the Hessian's diagonal, as a fraction of its mean (the paper: 1%).
+    damp_percent: float = 0.01
+    # Quantize columns by decreasing Hessian diagonal (static groups).
+    act_order: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.damp_percent <= 1:
+            raise ConfigError(f"quant.damp_percent={self.damp_percent}: must be between 0 and 1")
+
+
+@dataclass
+class Int4GptqConfig(Int4RecipeConfig):
+    """``quant=int4_gptq``: GPTQ in torch, lowered to MatMulNBits (or block-wise Q/DQ) in the graph."""
+
+    _target_: str = "passes.gptq.Int4GptqRecipe"
+    damp_percent: float = 0.01
+    act_order: bool = True
+
+
+register_pass("quant", "int4_gptq", Int4GptqConfig)
+
+
+def gptq_quantize(
+    weight: Any,
+    hessian: Any,
+    group_size: int,
+    symmetric: bool = False,
+    damp_percent: float = 0.01,
+    act_order: bool = True,
+    name: str = "layer",
+) -> QuantizedLinear:
+    """GPTQ of ``weight`` [out, in] given ``hessian`` [in, in] = 2 X^T X / n (float32)."""
+    import torch
+
+    W = weight.detach().float().clone()
+    H = hessian.detach().float().clone()
+    columns = W.shape[1]
+    dead = torch.diag(H) == 0  # an input channel that is always 0: its weights do not matter
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+
+    scales = zeros = None
+    if act_order:  # static groups: fixed from the weights before any error feedback
+        scales, zeros = group_params(W, group_size, symmetric)
+        perm = torch.argsort(torch.diag(H), descending=True)
+    else:
+        perm = torch.arange(columns)
+        scales = torch.empty(W.shape[0], columns // group_size)
+        zeros = torch.empty_like(scales)
+    W = W[:, perm]
+    H = H[perm][:, perm]
+    H[range(columns), range(columns)] += damp_percent * torch.mean(torch.diag(H))
+    try:
+        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    except torch.linalg.LinAlgError:
+        raise CalibrationError(
+            f"quant: the Hessian of {name} is not positive definite after dampening "
+            f"(quant.damp_percent={damp_percent}): raise quant.damp_percent or quant.calibration.num_samples"
+        ) from None
+
+    codes = torch.zeros_like(W, dtype=torch.uint8)
+    group_of = perm // group_size  # the (original) group of each permuted column
+    with single_thread():  # thousands of tiny ops: 2 threads are ~10x slower than 1 here
+        _quantize_columns(W, Hinv, codes, scales, zeros, group_of, group_size, symmetric, act_order)
+    codes = codes[:, torch.argsort(perm)]
+    return QuantizedLinear(codes, scales.float().contiguous(), zeros.to(torch.uint8).contiguous())
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _quantize_columns(
+    W: Any,
+    Hinv: Any,
+    codes: Any,
+    scales: Any,
+    zeros: Any,
+    group_of: Any,
+    group_size: int,
+    symmetric: bool,
+    act_order: bool,
+) -> None:
+    """The paper's Algorithm 1 with lazy batch updates, on the permuted ``W`` (modified in place)."""
+    import torch
+
+    columns = W.shape[1]
+    for i1 in range(0, columns, BLOCK_COLUMNS):
+        i2 = min(i1 + BLOCK_COLUMNS, columns)
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        if act_order:  # static groups: each column's parameters are known up front
+            S1, Z1 = scales[:, group_of[i1:i2]], zeros[:, group_of[i1:i2]]
+        else:
+            S1, Z1 = torch.empty_like(W1), torch.empty_like(W1)
+        for i in range(i2 - i1):
+            if not act_order and i % group_size == 0:
+                # Parameters from the weights as updated so far (this block's updates live in W1;
+                # groups never straddle blocks because BLOCK_COLUMNS is a multiple of group_size).
+                g = (i1 + i) // group_size
+                s, z = group_params(W1[:, i : i + group_size], group_size, symmetric)
+                scales[:, g], zeros[:, g] = s[:, 0], z[:, 0]
+                S1[:, i : i + group_size], Z1[:, i : i + group_size] = s, z
+            w, scale, zero = W1[:, i], S1[:, i], Z1[:, i]
+            q = torch.round(w / scale).add_(zero).clamp_(0, MAXQ)
+            Q1[:, i] = q
+            error = (w - (q - zero) * scale).div_(Hinv1[i, i])
+            W1[:, i:].addr_(error, Hinv1[i, i:], alpha=-1.0)
+            Err1[:, i] = error
+        codes[:, i1:i2] = Q1.to(torch.uint8)
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+
+
+class Hessians:
+    """Running ``2 X^T X / n`` of each named layer's inputs."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, Any] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, name: str, x: Any) -> None:
+        import torch
+
+        rows = x.reshape(-1, x.shape[-1]).float()
+        if name not in self.sums:
+            self.sums[name] = torch.zeros(rows.shape[1], rows.shape[1])
+            self.counts[name] = 0
+        self.sums[name].addmm_(rows.T, rows)
+        self.counts[name] += rows.shape[0]
+
+    def pop(self, name: str) -> Any:
+        return 2.0 * self.sums.pop(name) / self.counts.pop(name)
+
+
+class GptqPass(TorchInt4Pass):
+    Config = GptqConfig
+    name = "gptq"
+    version = 1
+    algorithm = "gptq"
+
+    def quantize_model(
+        self, model: Any, windows: np.ndarray, targets: list[str]
+    ) -> dict[str, QuantizedLinear]:
+        from tqdm.auto import tqdm
+
+        wanted = set(targets)
+        results: dict[str, QuantizedLinear] = {}
+        inputs = first_layer_inputs(model, windows, CALIBRATION_BATCH)
+        decoder = model.model.layers
+        for index, layer in enumerate(tqdm(decoder, desc="gptq", unit="layer")):
+            prefix = f"model.layers.{index}."
+            linears = {
+                prefix + name: module
+                for name, module in layer.named_modules()
+                if prefix + name in wanted and hasattr(module, "in_features")
+            }
+            if linears:
+                hessians = Hessians()
+                with input_hooks(linears, hessians.add):
+                    run_layer(layer, inputs)
+                for name, module in linears.items():
+                    results[name] = self._quantize(name, module, hessians.pop(name))
+            inputs.hidden = run_layer(layer, inputs)  # the quantized layer feeds the next one
+        if LM_HEAD in wanted:
+            hessians = Hessians()
+            for hidden in inputs.hidden:
+                hessians.add(LM_HEAD, model.model.norm(hidden))
+            results[LM_HEAD] = self._quantize(LM_HEAD, model.lm_head, hessians.pop(LM_HEAD))
+        return results
+
+    def _quantize(self, name: str, module: Any, hessian: Any) -> QuantizedLinear:
+        check_finite(hessian, "input Hessian", name, self.config.calibration.dataset)
+        quantized = gptq_quantize(
+            module.weight,
+            hessian,
+            self.config.group_size,
+            symmetric=self.config.symmetric,
+            damp_percent=self.config.damp_percent,
+            act_order=self.config.act_order,
+            name=name,
+        )
+        module.weight.data.copy_(quantized.dequantize())
+        return quantized
+
+
+class Int4GptqRecipe(Int4Recipe):
+    Config = Int4GptqConfig
+    name = "int4_gptq"
+    torch_pass = GptqPass

@@ -1,0 +1,280 @@
+"""INT4 lowering (graph stage): each quantized ``MatMul(x, <module>.weight_t)`` becomes ONNX
+Runtime's ``com.microsoft.MatMulNBits`` (``quant.lowering=matmulnbits``) or a block-wise
+``DequantizeLinear`` (UINT4 codes, or INT4 when symmetric; ``axis=0``, ``block_size``; opset >= 21)
+feeding the MatMul (``quant.lowering=qdq``, the form TensorRT builds from).
+
+Rules: layers are found through the graph metadata ``linear_weights`` (module -> initializer,
+written by export); a layer excluded by ``quant.exclude`` keeps its fp32 MatMul; a layer whose
+exact INT4 parameters a torch pass stored in ``extras/int4/`` (GPTQ, AWQ) is lowered from them,
+after checking that the graph's weight is their dequantization (so graph == fake-quantized torch);
+any other layer is quantized here by round-to-nearest (``passes.int4``), e.g. ``lm_head`` when the
+recipe's torch stage did not run. Specs: ONNX Runtime contrib op ``MatMulNBits`` (B ``uint8
+[N, k_blocks, block_size/2]``, scales ``[N, k_blocks]``, zero points ``uint8 [N, ceil(k_blocks/2)]``,
+low nibble first; checked against ``onnxruntime.quantization``'s packing in the tests); ONNX
+``DequantizeLinear``-21 blocked quantization.
+
+``ensures``: the lowered graph against its input graph on a fixed prompt (max |logit diff|,
+top-1 agreement); when every layer came from stored parameters the two compute the same weights
+and the pass fails below ``min_top1_agreement``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from passes.export import DATA_FILE, MODEL_FILE
+from passes.int4 import (
+    BITS,
+    EXTRAS_DIR,
+    INT4_DIR,
+    Int4LoweringSettings,
+    Int4Settings,
+    Lowering,
+    QuantizedLinear,
+    check_group_size,
+    load_params,
+    matmulnbits_tensors,
+    qdq_tensors,
+    quantize_rtn,
+    select_modules,
+    validate_settings,
+)
+from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
+from pipeline.base import Pass
+from pipeline.errors import PassError
+
+log = logging.getLogger(__name__)
+
+MS_DOMAIN = "com.microsoft"
+QDQ_MIN_OPSET = 21
+PARITY_PROMPT_IDS = (1, 42, 7, 99, 3, 250, 17, 5, 64, 128, 11, 300)
+
+
+@dataclass
+class Int4LoweringConfig(Int4Settings, Int4LoweringSettings):
+    _target_: str = "passes.matmulnbits.Int4LoweringPass"
+    # Fail when stored-parameter lowering changes the greedy token on more prompt positions.
+    min_top1_agreement: float = 0.99
+
+    def __post_init__(self) -> None:
+        self.lowering = Lowering(self.lowering)
+        validate_settings(self)
+
+
+class Int4LoweringPass(Pass):
+    Config = Int4LoweringConfig
+    name = "int4_lowering"
+    version = 1
+    consumes = Kind.GRAPH
+    produces = Kind.GRAPH
+
+    def requires(self, source: Artifact) -> None:
+        weights = source.metadata.get("linear_weights")
+        if not weights:
+            raise PassError(f"{self.name}: {source.path} records no linear_weights; re-run export")
+        select_modules(weights, self.config.exclude)
+        opset = int(source.metadata.get("opset", 0))
+        if self.config.lowering == Lowering.qdq and opset < QDQ_MIN_OPSET:
+            raise PassError(
+                f"quant.lowering=qdq needs block-wise DequantizeLinear (opset >= {QDQ_MIN_OPSET}); "
+                f"the graph has opset {opset}: set export.opset={QDQ_MIN_OPSET}"
+            )
+
+    def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
+        import onnx
+
+        metadata = read_metadata(source.path)
+        weights: dict[str, str] = metadata["linear_weights"]
+        info, stored = load_params(source.path / EXTRAS_DIR / INT4_DIR)
+        self._check_stored(info)
+        targets = select_modules(weights, self.config.exclude)
+        model = onnx.load(str(source.path / MODEL_FILE))
+        graph = model.graph
+        initializers = {init.name: init for init in graph.initializer}
+        widths = {m: int(initializers[weights[m]].dims[0]) for m in targets}
+        check_group_size(self.config.group_size, widths)
+
+        consumers = {node.input[1]: node for node in graph.node if len(node.input) == 2}
+        replaced: dict[str, list[Any]] = {}
+        new_inits: list[Any] = []
+        origin: dict[str, str] = {}
+        for module in targets:
+            init_name = weights[module]
+            node = consumers.get(init_name)
+            if node is None or node.op_type != "MatMul":
+                raise PassError(f"{self.name}: no MatMul consumes {init_name} ({module}); re-run export")
+            weight_t = onnx.numpy_helper.to_array(initializers[init_name])  # [in, out]
+            layer, origin[module] = self._parameters(module, weight_t, stored)
+            nodes, inits = self._lower(module, node, layer)
+            replaced[node.name] = nodes
+            new_inits += inits
+        kept_nodes = []
+        for node in graph.node:
+            kept_nodes.extend(replaced.get(node.name, [node]))
+        graph.ClearField("node")
+        graph.node.extend(kept_nodes)
+        dropped = {weights[m] for m in targets}
+        kept_inits = [init for init in graph.initializer if init.name not in dropped]
+        graph.ClearField("initializer")
+        graph.initializer.extend(kept_inits + new_inits)
+        if self.config.lowering == Lowering.matmulnbits and not any(
+            o.domain == MS_DOMAIN for o in model.opset_import
+        ):
+            model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
+        onnx.save_model(
+            model,
+            str(out_dir / MODEL_FILE),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=DATA_FILE,
+            size_threshold=1024,
+        )
+        for item in source.path.iterdir():
+            if item.name in (MODEL_FILE, DATA_FILE, ARTIFACT_FILE):
+                continue
+            if item.is_dir():
+                shutil.copytree(item, out_dir / item.name)
+            else:
+                shutil.copy2(item, out_dir / item.name)
+        unplaced = sorted(set(stored) - set(origin) - (set(weights) - set(targets)))
+        if unplaced:  # the graph still computes their fake-quantized weights, uncompressed
+            log.warning("%s: no graph weight for stored INT4 layers %s; left as fp32", self.name, unplaced)
+        counts = {kind: sum(1 for v in origin.values() if v == kind) for kind in sorted(set(origin.values()))}
+        quantization = {
+            "method": "int4_weight_only",
+            "algorithm": info.get("algorithm", "rtn"),
+            "bits": BITS,
+            "group_size": self.config.group_size,
+            "symmetric": self.config.symmetric,
+            "lowering": self.config.lowering.value,
+            "accuracy_level": self.config.accuracy_level,
+            "exclude": list(self.config.exclude),
+            "modules": origin,
+        }
+        write_metadata(out_dir, Kind.GRAPH, {**metadata, "quantization": quantization})
+        return {"lowered": len(origin), "from": counts, "lowering": self.config.lowering.value}
+
+    def _check_stored(self, info: dict[str, Any]) -> None:
+        if not info:
+            return
+        for knob in ("group_size", "symmetric"):
+            if info.get(knob) != getattr(self.config, knob):
+                raise PassError(
+                    f"{self.name}: quant.{knob}={getattr(self.config, knob)} but the torch stage stored "
+                    f"{knob}={info.get(knob)} in extras/int4; rebuild with one recipe"
+                )
+
+    def _parameters(
+        self, module: str, weight_t: np.ndarray, stored: dict[str, QuantizedLinear]
+    ) -> tuple[QuantizedLinear, str]:
+        """The layer's INT4 parameters: stored ones (checked against the graph) or round-to-nearest."""
+        import torch
+
+        weight = torch.from_numpy(np.ascontiguousarray(weight_t.T))
+        if module not in stored:
+            return quantize_rtn(weight, self.config.group_size, self.config.symmetric), "rtn"
+        layer = stored[module]
+        same_shape = layer.codes.shape == weight.shape
+        diff = float((layer.dequantize() - weight).abs().max()) if same_shape else np.inf
+        if diff > 1e-6 * max(1.0, float(weight.abs().max())):
+            raise PassError(
+                f"{self.name}: the graph weight of {module} is not the dequantized INT4 weight stored by the "
+                f"torch stage (max |diff| {diff:.3g}); a pass changed weights after quantization"
+            )
+        return layer, "stored"
+
+    def _lower(self, module: str, node: Any, layer: QuantizedLinear) -> tuple[list[Any], list[Any]]:
+        """Nodes replacing ``node`` (same output name) and their initializers."""
+        from onnx import TensorProto, helper, numpy_helper
+
+        out_features, in_features = layer.codes.shape
+        base = f"{module}.weight"
+        if self.config.lowering == Lowering.matmulnbits:
+            packed, scales, zeros = matmulnbits_tensors(layer)
+            inits = [
+                numpy_helper.from_array(packed, f"{base}_q4"),
+                numpy_helper.from_array(scales, f"{base}_scales"),
+            ]
+            inputs = [node.input[0], f"{base}_q4", f"{base}_scales"]
+            if not self.config.symmetric:
+                inits.append(numpy_helper.from_array(zeros, f"{base}_zero_points"))
+                inputs.append(f"{base}_zero_points")
+            attributes: dict[str, Any] = {"K": in_features, "N": out_features, "bits": BITS}
+            attributes["block_size"] = layer.group_size
+            if self.config.accuracy_level:
+                attributes["accuracy_level"] = self.config.accuracy_level
+            lowered = helper.make_node(
+                "MatMulNBits",
+                inputs,
+                list(node.output),
+                name=f"{node.name}_Q4",
+                domain=MS_DOMAIN,
+                **attributes,
+            )
+            return [lowered], inits
+        codes, scales, zeros = qdq_tensors(layer, self.config.symmetric)
+        code_type = TensorProto.INT4 if self.config.symmetric else TensorProto.UINT4
+        inits = [
+            helper.make_tensor(
+                f"{base}_q4", code_type, [in_features, out_features], codes.tobytes(), raw=True
+            ),
+            numpy_helper.from_array(scales, f"{base}_scales"),
+        ]
+        dq_inputs = [f"{base}_q4", f"{base}_scales"]
+        if zeros is not None:
+            inits.append(
+                helper.make_tensor(
+                    f"{base}_zero_points", code_type, list(scales.shape), zeros.tobytes(), raw=True
+                )
+            )
+            dq_inputs.append(f"{base}_zero_points")
+        dequantized = f"{base}_dq"
+        dq = helper.make_node(
+            "DequantizeLinear",
+            dq_inputs,
+            [dequantized],
+            name=f"{node.name}_DQ",
+            axis=0,
+            block_size=layer.group_size,
+        )
+        matmul = helper.make_node("MatMul", [node.input[0], dequantized], list(node.output), name=node.name)
+        return [dq, matmul], inits
+
+    def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
+        parity = compare_graphs(source.path, result.path)
+        origins = set(result.metadata.get("quantization", {}).get("modules", {}).values())
+        exact = origins <= {"stored"} and not self.config.accuracy_level
+        if exact and parity["top1_agreement"] < self.config.min_top1_agreement:
+            raise PassError(
+                f"{self.name}: the INT4 graph agrees with the fake-quantized graph on "
+                f"{parity['top1_agreement']:.1%} of greedy tokens "
+                f"(max |logit diff| {parity['max_abs_diff']:.3g}); the lowering is wrong"
+            )
+        return {"parity_vs_input_graph": parity}
+
+
+def compare_graphs(reference_dir: Path, candidate_dir: Path) -> dict[str, Any]:
+    """Logits of two graphs with the same IO on a fixed prompt (token ids below any vocab size)."""
+    from pipeline.runtime.ort import OrtModel, graph_io
+
+    logits = []
+    for folder in (reference_dir, candidate_dir):
+        model = OrtModel(folder / MODEL_FILE, graph_io(folder))
+        vocab = model.io.vocab_size
+        ids = np.array([[i % vocab for i in PARITY_PROMPT_IDS]], dtype=np.int64)
+        positions = np.arange(ids.shape[1], dtype=np.int64)[None]
+        out, _ = model.step(ids, np.ones_like(ids), positions, model.empty_cache(1))
+        logits.append(out[0])
+        del model
+    reference, candidate = logits
+    return {
+        "tokens": int(reference.shape[0]),
+        "max_abs_diff": float(np.abs(reference - candidate).max()),
+        "top1_agreement": float((reference.argmax(-1) == candidate.argmax(-1)).mean()),
+    }

@@ -1,0 +1,189 @@
+"""INT4 group quantization shared by GPTQ and AWQ: parameters against an independent numpy
+reference, packing against ONNX Runtime's own packer, the extras contract, config errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from calibration.datasets import CalibrationConfig
+from passes.gptq import GptqPass, Int4GptqRecipe
+from passes.int4 import (
+    QuantizedLinear,
+    load_params,
+    matmulnbits_tensors,
+    pack_uint4,
+    qdq_tensors,
+    quantize_rtn,
+    save_params,
+    select_modules,
+    unpack_uint4,
+)
+from pipeline.artifacts import Artifact
+from pipeline.errors import ConfigError
+from pipeline.plugins import build_passes
+from tests.pipeline.recipe import compose_recipe
+
+
+def numpy_reference(weight: np.ndarray, group: int, symmetric: bool = False) -> tuple[np.ndarray, ...]:
+    """Plain per-group min/max asymmetric uint4 (range widened to contain 0), written out anew."""
+    out, width = weight.shape
+    codes = np.zeros((out, width), np.uint8)
+    scales = np.zeros((out, width // group), np.float32)
+    zeros = np.zeros((out, width // group), np.uint8)
+    for r in range(out):
+        for g in range(width // group):
+            block = weight[r, g * group : (g + 1) * group]
+            lo, hi = min(float(block.min()), 0.0), max(float(block.max()), 0.0)
+            if symmetric:
+                hi = max(-lo, hi)
+                lo = -hi
+            if lo == hi == 0:  # an all-zero group: any grid represents it; GPTQ takes [-1, 1]
+                lo, hi = -1.0, 1.0
+            scale = np.float32((np.float32(hi) - np.float32(lo)) / np.float32(15))
+            zero = 8 if symmetric else int(np.round(np.float32(-lo) / scale))
+            q = np.clip(np.round(block / scale) + zero, 0, 15)
+            codes[r, g * group : (g + 1) * group] = q
+            scales[r, g], zeros[r, g] = scale, zero
+    return codes, scales, zeros
+
+
+def random_weight(out: int = 12, width: int = 128, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    weight = rng.standard_normal((out, width)).astype(np.float32)
+    weight[0, :32] = np.abs(weight[0, :32]) + 0.5  # a group with no negative value
+    weight[1, 32:64] = 0.0  # an all-zero group
+    return weight
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("group", [32, 64])
+def test_rtn_parameters_match_a_numpy_reference(group: int, symmetric: bool) -> None:
+    weight = random_weight()
+    layer = quantize_rtn(torch.from_numpy(weight), group, symmetric)
+    codes, scales, zeros = numpy_reference(weight, group, symmetric)
+    np.testing.assert_allclose(layer.scales.numpy(), scales, rtol=1e-6)
+    np.testing.assert_array_equal(layer.zeros.numpy(), zeros)
+    assert (layer.codes.numpy() != codes).mean() < 1e-3  # ties may round apart
+    assert layer.codes.dtype == torch.uint8 and int(layer.codes.max()) <= 15
+    dequantized = layer.dequantize().numpy()
+    assert (
+        np.abs(dequantized - weight).max()
+        <= layer.scales.numpy().max() * (0.5 if not symmetric else 1.0) + 1e-6
+    )
+    assert np.all(dequantized[1, 32:64] == 0)
+
+
+def test_rtn_and_packing_match_onnxruntime() -> None:
+    """ONNX Runtime's MLAS packer on the same weights gives the same MatMulNBits tensors."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits
+
+    weight_t = random_weight(out=10, width=128)[2:].T.copy()  # the graph's [in, out]; MLAS zeroes an
+    # all-zero group's scale where we keep GPTQ's [-1, 1] grid, so that row is left out
+    k, n, block = weight_t.shape[0], weight_t.shape[1], 32
+    assert n == 8
+    packed = np.zeros((n, k // block, block // 2), np.uint8)
+    scales = np.zeros((n, k // block), np.float32)
+    zeros = np.zeros((n, (k // block + 1) // 2), np.uint8)
+    quantize_matmul_4bits(packed, weight_t, scales, zeros, block, n, k, False)
+    ours = matmulnbits_tensors(quantize_rtn(torch.from_numpy(weight_t.T.copy()), block, False))
+    np.testing.assert_array_equal(ours[0], packed)
+    np.testing.assert_allclose(ours[1], scales, rtol=1e-6)
+    np.testing.assert_array_equal(ours[2], zeros)
+
+
+def test_pack_unpack_round_trip_and_nibble_order() -> None:
+    codes = np.array([[1, 2, 3, 4, 5]], np.uint8)
+    packed = pack_uint4(codes)
+    assert packed.tolist() == [[0x21, 0x43, 0x05]]
+    np.testing.assert_array_equal(unpack_uint4(packed, 5), codes)
+
+
+def test_qdq_tensors_dequantize_to_the_same_weight() -> None:
+    """Evaluate the block-wise DequantizeLinear with ONNX's reference implementation."""
+    from onnx import TensorProto, helper
+    from onnx.reference import ReferenceEvaluator
+
+    weight = random_weight(out=6, width=64)
+    for symmetric in (False, True):
+        layer = quantize_rtn(torch.from_numpy(weight), 32, symmetric)
+        codes, scales, zeros = qdq_tensors(layer, symmetric)
+        kind = TensorProto.INT4 if symmetric else TensorProto.UINT4
+        inits = [
+            helper.make_tensor("q", kind, [64, 6], codes.tobytes(), raw=True),
+            helper.make_tensor("s", TensorProto.FLOAT, list(scales.shape), scales.ravel()),
+        ]
+        inputs = ["q", "s"]
+        if zeros is not None:
+            inits.append(helper.make_tensor("z", kind, list(scales.shape), zeros.tobytes(), raw=True))
+            inputs.append("z")
+        node = helper.make_node("DequantizeLinear", inputs, ["w"], axis=0, block_size=32)
+        output = helper.make_tensor_value_info("w", TensorProto.FLOAT, [64, 6])
+        graph = helper.make_graph([node], "dq", [], [output], initializer=inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+        (result,) = ReferenceEvaluator(model).run(None, {})
+        np.testing.assert_allclose(result, layer.dequantize().numpy().T, rtol=0, atol=1e-6)
+
+
+def test_params_round_trip_through_extras(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    layer = quantize_rtn(torch.from_numpy(random_weight(out=4, width=64)), 32, False)
+    save_params(tmp_path, {"lm_head": layer}, {"algorithm": "rtn", "group_size": 32, "symmetric": False})
+    info, layers = load_params(tmp_path)
+    assert info["modules"] == ["lm_head"] and info["bits"] == 4
+    loaded = layers["lm_head"]
+    assert isinstance(loaded, QuantizedLinear)
+    assert torch.equal(loaded.codes, layer.codes) and torch.equal(loaded.zeros, layer.zeros)
+    assert torch.equal(loaded.dequantize(), layer.dequantize())
+    assert load_params(tmp_path / "missing") == ({}, {})
+
+
+NAMES = [
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.0.mlp.down_proj",
+    "model.layers.1.mlp.down_proj",
+    "lm_head",
+]
+
+
+def test_exclude_patterns_select_modules() -> None:
+    assert select_modules(NAMES, ["lm_head", "*.0.*"]) == ["model.layers.1.mlp.down_proj"]
+    assert select_modules(NAMES, ["*down_proj"]) == [NAMES[0], NAMES[3]]
+    with pytest.raises(ConfigError, match=r"quant.exclude pattern 'lm_haed' matches no linear module"):
+        select_modules(NAMES, ["lm_haed"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"group_size": 96}, r"quant.group_size=96 is not supported: choose one of 32, 64, 128"),
+        ({"calibration": {"num_samples": 0}}, r"quant.calibration.num_samples=0: at least one"),
+        ({"calibration": {"seq_len": 1}}, r"quant.calibration.seq_len=1: must be at least 2"),
+        ({"accuracy_level": 7}, r"quant.accuracy_level=7"),
+        ({"damp_percent": -0.1}, r"quant.damp_percent=-0.1"),
+    ],
+)
+def test_recipe_config_errors(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Int4GptqRecipe(**overrides).passes()
+
+
+def test_group_size_must_divide_every_input_width(tiny_source: Artifact) -> None:
+    gptq = GptqPass(group_size=128, calibration=CalibrationConfig(num_samples=2, seq_len=16))
+    with pytest.raises(
+        ConfigError, match=r"quant.group_size=128 does not divide the input width 64 of model"
+    ):
+        gptq.requires(tiny_source)
+    GptqPass(group_size=128, exclude=["*"]).requires(tiny_source)  # nothing quantized: nothing to divide
+
+
+def test_hydra_recipe_expands_around_export() -> None:
+    cfg = compose_recipe(["quant=int4_gptq", "quant.group_size=32", "quant.exclude=[lm_head]"])
+    passes = build_passes(cfg)
+    assert [p.name for p in passes] == ["gptq", "export", "int4_lowering", "build"]
+    assert passes[0].config.group_size == 32 and passes[2].config.exclude == ["lm_head"]
+    assert passes[0].config.calibration == CalibrationConfig()
+    cfg = compose_recipe(["quant=int4_awq", "quant.lowering=qdq", "quant.calibration.num_samples=8"])
+    passes = build_passes(cfg)
+    assert [p.name for p in passes] == ["awq", "export", "int4_lowering", "build"]
+    assert passes[0].config.calibration.num_samples == 8 and passes[2].config.lowering == "qdq"
