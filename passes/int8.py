@@ -1,0 +1,427 @@
+"""INT8 in the graph: explicit QuantizeLinear/DequantizeLinear on the linear layers (graph stage),
+and the ``quant=int8`` recipe (SmoothQuant in torch, ``passes/smoothquant.py``, then this pass).
+
+Numerics (SmoothQuant W8A8, Xiao et al. 2022, arXiv:2211.10438; its static per-tensor activation
+scheme, with per-channel weights):
+
+- weights: symmetric INT8 per output channel, ``scale_j = max_i |W_ij| / 127``,
+  ``q = clip(round(W / scale), -127, 127)`` (round half to even, as ONNX QuantizeLinear);
+- activations of W8A8 layers: symmetric INT8 per tensor, static, ``scale = max|X| / 127`` from the
+  calibrated ranges the SmoothQuant pass wrote to ``extras/int8/activations.json`` (zero point 0;
+  values beyond the calibrated range saturate);
+- ``weight_only`` layers (default ``*.mlp.down_proj`` and ``lm_head``): the same INT8 weights,
+  fp32 activations.
+
+Graph form (per-axis DequantizeLinear needs opset >= 13; our export uses 21)::
+
+    X -> QuantizeLinear(s_x, 0: int8) -> DequantizeLinear -> MatMul -> Y       (W8A8)
+    W_q int8 [in, out] -> DequantizeLinear(s_w [out], 0, axis=1) ---^          (both kinds)
+
+Lowering for ``target=ort-cpu`` (checked with ``optimized_model_filepath``; ``ensures`` repeats
+the check on every build and records the kernel counts): ONNX Runtime 1.32's QDQ transformer turns
+each W8A8 group into ``QuantizeLinear`` + ``com.microsoft.MatMulIntegerToFloat`` (int8 x int8 ->
+int32 -> float, weights pre-packed, MLAS VNNI kernels) and each weight-only DQ + MatMul into
+``com.microsoft.MatMulNBits`` (bits=8; on CPU it quantizes the fp32 input to int8 per block of 32,
+ORT's default accuracy level 4). We emit standard Q/DQ only, so the same graph is TensorRT's
+strongly typed INT8 input. Two details decide whether the fusion fires or runs fast (measured):
+
+- one Q -> DQ pair per MatMul, each with its own scale and zero-point initializers: where q/k/v
+  (gate/up) share one Q, or their Qs share initializers (ORT's CSE then merges them), ORT leaves
+  the DQ + MatMul unfused (fp32 simulation);
+- signed int8 activations: uint8 with zero point 128 (same values) ran ~4x slower at batch 1 here.
+
+Why ``weight_only`` defaults to down_proj and lm_head (SmolLM2-135M, perplexity / KL / top-1 vs
+fp32 on the GPL-3 held-out text, fp32 perplexity 24.92): with every layer W8A8 the best alpha (0.8)
+gives 27.01 / 0.098 / 80.9% (naive static W8A8 without smoothing: 68.16 / 1.13 / 47.3%). A torch
+fake-quant sensitivity scan put nearly all of the loss in the activations of down_proj and
+lm_head: keeping q/k/v, o or gate/up activations in fp32 changed KL by < 1%, keeping down_proj and
+lm_head activations in fp32 cut it 8x. down_proj's input (``silu(gate) * up``) has per-token
+outliers (after smoothing, max|X| is 4-8x its 99.99th percentile), which per-channel smoothing
+cannot move and a per-tensor static scale must cover; lm_head is tied to the embedding, so it
+cannot be smoothed in torch. Weight-only INT8 on those two costs no decode speed (both kernels
+read one byte per weight) and gives 25.30 / 0.012 / 93.2% (alpha 0.8). ``quant.weight_only=[]``
+selects pure W8A8.
+
+Every file of the input folder is kept (tokenizer, ``extras/``); weights go to one external data
+file ``model.onnx.data``; the artifact metadata gains ``quantization``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from calibration.datasets import CalibrationConfig
+from passes.smoothquant import (
+    SmoothQuantPass,
+    as_calibration,
+    check_patterns,
+    excluded,
+    read_activations,
+    validate,
+)
+from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
+from pipeline.base import Pass, Recipe
+from pipeline.config import register_pass
+from pipeline.errors import CalibrationError, PassError
+from pipeline.runtime.ort import OrtModel, graph_io
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+QMAX = 127
+W8A8_KERNELS = ("MatMulIntegerToFloat", "QLinearMatMul")  # com.microsoft / ONNX integer MatMuls
+WEIGHT_ONLY_KERNEL = "MatMulNBits"  # com.microsoft, bits=8
+# ensures compares the graph with its input on this prompt (the export pass's parity prompt).
+PROBE_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, there was"
+
+
+# Linear layers whose activations stay fp32 by default (INT8 weights only); see the module docstring.
+DEFAULT_WEIGHT_ONLY = ["*.mlp.down_proj", "lm_head"]
+
+
+@dataclass
+class Int8QDQConfig:
+    """Q/DQ insertion for W8A8 (graph stage)."""
+
+    _target_: str = "passes.int8.Int8QDQPass"
+    exclude: list[str] = field(default_factory=list)
+    weight_only: list[str] = field(default_factory=lambda: list(DEFAULT_WEIGHT_ONLY))
+    # ensures: ONNX Runtime must lower every quantized MatMul to an integer kernel.
+    check_lowering: bool = True
+
+
+@dataclass
+class Int8Config:
+    """``quant=int8``: SmoothQuant W8A8 (per-channel INT8 weights, static per-tensor INT8
+    activations; INT8 weight-only on ``weight_only`` layers). Keys as users type them:
+    quant.alpha=0.7 quant.calibration.num_samples=128 quant.exclude=[lm_head] quant.weight_only=[]."""
+
+    _target_: str = "passes.int8.Int8Recipe"
+    # SmoothQuant migration strength in [0, 1] (see passes/smoothquant.py). The paper's default is
+    # 0.5; on SmolLM2-135M 0.8 measured best (KL vs fp32 0.0119; 0.65: 0.0156; 0.5 in a torch
+    # simulation: 0.028).
+    alpha: float = 0.8
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    # fnmatch patterns over module names (model.layers.3.mlp.down_proj, lm_head) kept in fp32.
+    exclude: list[str] = field(default_factory=list)
+    # Patterns of layers quantized to INT8 weights only, activations fp32 (ORT: MatMulNBits,
+    # bits=8). [] gives pure W8A8 everywhere. Default: down_proj (per-token activation outliers
+    # that no per-channel smoothing moves) and lm_head (tied to the embedding: not smoothable in
+    # torch); see the module docstring for the measurements.
+    weight_only: list[str] = field(default_factory=lambda: list(DEFAULT_WEIGHT_ONLY))
+    # false: no smoothing (plain static W8A8 with the same ranges: the naive baseline).
+    smooth: bool = True
+    # Smooth o_proj (into v_proj rows) and down_proj (into up_proj rows); a weight-only or
+    # excluded layer is never smoothed.
+    smooth_o_proj: bool = True
+    smooth_down_proj: bool = True
+    # Calibration windows per forward.
+    batch_size: int = 8
+    # ensures: ONNX Runtime must lower every quantized MatMul to an integer kernel.
+    check_lowering: bool = True
+
+    def __post_init__(self) -> None:
+        self.calibration = as_calibration(self.calibration)
+
+
+register_pass("quant", "int8", Int8Config)
+
+
+class Int8Recipe(Recipe):
+    Config = Int8Config
+    name = "int8"
+
+    def passes(self) -> list[Pass]:
+        c = self.config
+        validate(c)
+        return [
+            SmoothQuantPass(
+                alpha=c.alpha,
+                calibration=c.calibration,
+                exclude=list(c.exclude),
+                weight_only=list(c.weight_only),
+                smooth=c.smooth,
+                smooth_o_proj=c.smooth_o_proj,
+                smooth_down_proj=c.smooth_down_proj,
+                batch_size=c.batch_size,
+            ),
+            Int8QDQPass(
+                exclude=list(c.exclude), weight_only=list(c.weight_only), check_lowering=c.check_lowering
+            ),
+        ]
+
+
+# --------------------------------------------------------------------------------------------
+# The math (numpy)
+
+
+def weight_params(weight_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-output-channel symmetric INT8 of a [in, out] weight: (int8 codes [in, out], scales [out])."""
+    weight_t = np.asarray(weight_t, dtype=np.float32)
+    absmax = np.abs(weight_t).max(axis=0)
+    scale = np.where(absmax > 0, absmax / QMAX, 1.0).astype(np.float32)
+    codes = np.clip(np.rint(weight_t / scale), -QMAX, QMAX).astype(np.int8)
+    return codes, scale
+
+
+def activation_scale(absmax: float) -> np.float32:
+    """Static per-tensor symmetric INT8 scale of an activation whose calibrated range is ``absmax``."""
+    return np.float32(absmax / QMAX) if absmax > 0 else np.float32(1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# The graph rewrite
+
+
+def insert_qdq(
+    model: Any,
+    linear_weights: dict[str, str],
+    ranges: dict[str, float],
+    modules: list[str],
+    weight_only: frozenset[str] = frozenset(),
+) -> int:
+    """Rewrite ``model`` (onnx ModelProto, weights loaded) in place: a weight DequantizeLinear on the
+    MatMul of each module in ``modules`` and, unless the module is in ``weight_only``, a
+    QuantizeLinear/DequantizeLinear pair on its activation input. Returns the number of bytes of
+    fp32 weights replaced."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    consumers: dict[str, list[Any]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    plan: dict[int, tuple[str, str]] = {}  # id(MatMul node) -> (module, weight initializer)
+    for module in modules:
+        weight = linear_weights[module]
+        users = consumers.get(weight, [])
+        if weight not in initializers or len(users) != 1 or users[0].op_type != "MatMul":
+            raise PassError(f"int8: {module}'s weight {weight} is not the initializer of exactly one MatMul")
+        if module not in weight_only:
+            if module not in ranges:
+                raise PassError(
+                    f"int8: no calibrated activation range for {module} in extras/int8/activations.json"
+                )
+            if not (math.isfinite(ranges[module]) and ranges[module] >= 0):
+                raise CalibrationError(
+                    f"quant.calibration: the activation range of {module} is {ranges[module]}; recalibrate"
+                )
+        plan[id(users[0])] = (module, weight)
+
+    new_inits: list[Any] = []
+    replaced = 0
+    nodes: list[Any] = []
+    for node in graph.node:
+        if id(node) not in plan:
+            nodes.append(node)
+            continue
+        module, weight = plan[id(node)]
+        init = initializers.pop(weight)
+        fp32 = numpy_helper.to_array(init)
+        if not np.isfinite(fp32).all():
+            raise PassError(
+                f"int8: {module}'s weight holds NaN/inf; exclude it (quant.exclude) or fix the model"
+            )
+        codes, w_scale = weight_params(fp32)
+        replaced += codes.size * 4
+        graph.initializer.remove(init)
+        new_inits += [
+            numpy_helper.from_array(codes, f"{weight}_quantized"),
+            numpy_helper.from_array(w_scale, f"{weight}_scale"),
+            numpy_helper.from_array(np.zeros_like(w_scale, dtype=np.int8), f"{weight}_zero_point"),
+        ]
+        nodes.append(
+            helper.make_node(
+                "DequantizeLinear",
+                [f"{weight}_quantized", f"{weight}_scale", f"{weight}_zero_point"],
+                [f"{weight}_dequantized"],
+                name=f"{module}/weight/DequantizeLinear",
+                axis=1,
+            )
+        )
+        node.input[1] = f"{weight}_dequantized"
+        if module in weight_only:
+            nodes.append(node)
+            continue
+        # A dedicated QuantizeLinear -> DequantizeLinear pair per MatMul, with its own scale and
+        # zero-point initializers, even where q/k/v (gate/up) read one tensor: ORT 1.32 fuses
+        # DQ+DQ+MatMul into MatMulIntegerToFloat only when the activation Q feeds a single DQ
+        # (measured: a shared Q, or Qs sharing scale initializers, which ORT's CSE merges, stay
+        # unfused fp32 MatMuls).
+        base = f"{module}.input"
+        new_inits += [
+            numpy_helper.from_array(np.array(activation_scale(ranges[module]), np.float32), f"{base}_scale"),
+            numpy_helper.from_array(np.array(0, np.int8), f"{base}_zero_point"),
+        ]
+        qdq_inputs = [f"{base}_quantized", f"{base}_scale", f"{base}_zero_point"]
+        nodes.append(
+            helper.make_node(
+                "QuantizeLinear",
+                [node.input[0], *qdq_inputs[1:]],
+                [qdq_inputs[0]],
+                name=f"{module}/input/QuantizeLinear",
+            )
+        )
+        nodes.append(
+            helper.make_node(
+                "DequantizeLinear",
+                qdq_inputs,
+                [f"{module}.input_dequantized"],
+                name=f"{module}/input/DequantizeLinear",
+            )
+        )
+        node.input[0] = f"{module}.input_dequantized"
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(new_inits)
+    return replaced
+
+
+def lowered_kernels(model_path: Path) -> Counter[str]:
+    """Op counts of the graph ONNX Runtime actually runs (optimization level "all", CPU)."""
+    import onnx
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", "optimized.onnx.data"
+        )
+        options.log_severity_level = 3
+        ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        optimized = onnx.load(str(Path(tmp) / "optimized.onnx"), load_external_data=False)
+    return Counter(node.op_type for node in optimized.graph.node)
+
+
+def compare_graphs(reference: Path, candidate: Path, prompt: str) -> dict[str, Any]:
+    """Prefill logits of two graph folders on ``prompt`` (ONNX Runtime, all optimizations):
+    top-1 agreement, max |difference|, finiteness of the candidate's."""
+    from transformers import AutoTokenizer
+
+    ids = np.array([AutoTokenizer.from_pretrained(reference)(prompt)["input_ids"]], dtype=np.int64)
+    mask, positions = np.ones_like(ids), np.arange(ids.shape[1], dtype=np.int64)[None]
+    logits = []
+    for folder in (reference, candidate):
+        model = OrtModel(folder / read_metadata(folder).get("model_file", MODEL_FILE), graph_io(folder))
+        logits.append(model.step(ids, mask, positions, model.empty_cache(1))[0][0])
+    ref, cand = logits
+    return {
+        "tokens": int(ids.shape[1]),
+        "finite": bool(np.isfinite(cand).all()),
+        "top1_agreement": float((ref.argmax(-1) == cand.argmax(-1)).mean()),
+        "max_abs_diff": float(np.abs(ref - cand).max()),
+    }
+
+
+class Int8QDQPass(Pass):
+    """Graph -> graph: per-channel INT8 weights and static per-tensor INT8 activations as Q/DQ."""
+
+    Config = Int8QDQConfig
+    name = "int8_qdq"
+    version = 1
+    consumes = Kind.GRAPH
+    produces = Kind.GRAPH
+
+    def requires(self, source: Artifact) -> None:
+        if "linear_weights" not in source.metadata:
+            raise PassError(f"int8: {source.path} records no linear_weights: re-export it")
+        if "quantization" in source.metadata:
+            raise PassError(f"int8: the graph is already quantized ({source.metadata['quantization']})")
+        read_activations(source.path)
+
+    def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
+        import onnx
+
+        linear_weights: dict[str, str] = source.metadata["linear_weights"]
+        names = sorted(linear_weights)
+        config = self.config
+        check_patterns(names, config.exclude)
+        check_patterns(names, config.weight_only, "quant.weight_only")
+        modules = [n for n in names if not excluded(n, config.exclude)]
+        weight_only = [n for n in modules if excluded(n, config.weight_only)]
+        w8a8 = [n for n in modules if n not in weight_only]
+        activations = read_activations(source.path)
+        model_file = source.metadata.get("model_file", MODEL_FILE)
+        model = onnx.load(str(source.path / model_file))
+        log.info(
+            "int8: %d W8A8 and %d weight-only INT8 layers, %d fp32",
+            len(w8a8),
+            len(weight_only),
+            len(names) - len(modules),
+        )
+        replaced = insert_qdq(model, linear_weights, activations["absmax"], modules, frozenset(weight_only))
+        onnx.save_model(
+            model,
+            str(out_dir / MODEL_FILE),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=DATA_FILE,
+            size_threshold=1024,
+        )
+        for path in source.path.iterdir():  # tokenizer, config, extras/
+            if path.name in (ARTIFACT_FILE, model_file, DATA_FILE):
+                continue
+            if path.is_dir():
+                shutil.copytree(path, out_dir / path.name)
+            else:
+                shutil.copy2(path, out_dir / path.name)
+        quantization = {
+            "recipe": "int8",
+            "algorithm": "smoothquant" if activations.get("smooth", True) else "static",
+            "alpha": activations.get("alpha"),
+            "weights": "int8 symmetric per output channel (DequantizeLinear axis=1)",
+            "activations": "int8 symmetric per tensor, static (absmax / 127); fp32 for weight_only",
+            "format": "qdq",
+            "w8a8": w8a8,
+            "weight_only": weight_only,
+            "excluded": [n for n in names if n not in modules],
+            "calibration": activations.get("calibration"),
+        }
+        write_metadata(
+            out_dir, Kind.GRAPH, {**source.metadata, "model_file": MODEL_FILE, "quantization": quantization}
+        )
+        return {
+            "w8a8_layers": len(w8a8),
+            "weight_only_layers": len(weight_only),
+            "fp32_layers": len(names) - len(modules),
+            "fp32_weight_bytes_replaced": replaced,
+        }
+
+    def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
+        vs_input = compare_graphs(source.path, result.path, PROBE_PROMPT)
+        if not vs_input["finite"]:
+            raise PassError("int8: the quantized graph gives non-finite logits on a short prompt")
+        quantization = result.metadata["quantization"]
+        w8a8, weight_only = len(quantization["w8a8"]), len(quantization["weight_only"])
+        if not self.config.check_lowering or w8a8 + weight_only == 0:
+            return {"vs_input": vs_input}
+        kernels = lowered_kernels(result.path / MODEL_FILE)
+        found = {k: kernels[k] for k in (*W8A8_KERNELS, WEIGHT_ONLY_KERNEL) if kernels[k]}
+        integer = sum(kernels[k] for k in W8A8_KERNELS)
+        if integer < w8a8 or kernels[WEIGHT_ONLY_KERNEL] < weight_only:
+            raise PassError(
+                f"int8: ONNX Runtime lowered {integer} of {w8a8} W8A8 MatMuls to integer kernels and "
+                f"{kernels[WEIGHT_ONLY_KERNEL]} of {weight_only} weight-only ones to {WEIGHT_ONLY_KERNEL} "
+                f"({json.dumps(found)}); the rest would run as slow fp32 simulation "
+                "(quant.check_lowering=false keeps it anyway)"
+            )
+        return {"vs_input": vs_input, "ort_kernels": found, "dequantize_left": kernels["DequantizeLinear"]}
+
+
+__all__ = ["Int8Config", "Int8QDQConfig", "Int8QDQPass", "Int8Recipe"]
