@@ -36,28 +36,31 @@ class CalibrationConfig:
 def calibration_text(name: str) -> str:
     if name not in DATASETS:
         raise CalibrationError(
-            f"calibration.dataset={name!r} is unknown: choose one of {', '.join(sorted(DATASETS))}"
+            f"quant.calibration.dataset={name!r} is unknown: choose one of {', '.join(sorted(DATASETS))}"
         )
     return (DATA_DIR / DATASETS[name]).read_text()
 
 
-def token_windows(tokenizer: Any, config: CalibrationConfig, text: str | None = None) -> np.ndarray:
-    """``[num_samples, seq_len]`` int64 token ids from the calibration text (or ``text``)."""
+def token_windows(
+    tokenizer: Any, config: CalibrationConfig, text: str | None = None, knob: str = "quant.calibration"
+) -> np.ndarray:
+    """``[num_samples, seq_len]`` int64 token ids from the calibration text (or ``text``); errors
+    name the config node the windows come from (``knob``)."""
     if config.num_samples < 1:
-        raise CalibrationError(f"calibration.num_samples must be at least 1 (got {config.num_samples})")
+        raise CalibrationError(f"{knob}.num_samples must be at least 1 (got {config.num_samples})")
     if config.seq_len < 2:
-        raise CalibrationError(f"calibration.seq_len must be at least 2 (got {config.seq_len})")
+        raise CalibrationError(f"{knob}.seq_len must be at least 2 (got {config.seq_len})")
     source = calibration_text(config.dataset) if text is None else text
     ids = np.asarray(tokenizer(source, add_special_tokens=False)["input_ids"], dtype=np.int64)
     available = len(ids) // config.seq_len
     if available == 0:
         raise CalibrationError(
             f"calibration text '{config.dataset}' has {len(ids)} tokens, shorter than one sequence of "
-            f"calibration.seq_len={config.seq_len}: lower calibration.seq_len"
+            f"{knob}.seq_len={config.seq_len}: lower {knob}.seq_len"
         )
     if config.num_samples > available:
         raise CalibrationError(
-            f"calibration.num_samples={config.num_samples} exceeds the {available} windows of "
+            f"{knob}.num_samples={config.num_samples} exceeds the {available} windows of "
             f"{config.seq_len} tokens in '{config.dataset}': lower num_samples or seq_len"
         )
     windows = ids[: available * config.seq_len].reshape(available, config.seq_len)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import enum
-import fnmatch
 import json
 import logging
 import shutil
@@ -47,6 +46,8 @@ import numpy as np
 
 from calibration.datasets import CalibrationConfig, token_windows
 from calibration.observers import DEFAULT_BINS, FP8_E4M3, Observer, TensorStats, channel_amax, compute_amax
+from passes.selection import check_patterns, select_modules
+from passes.sensitivity import FallbackSettings, WeightFormat, sensitivity_pass
 from pipeline.artifacts import Artifact, Kind, read_metadata, write_metadata
 from pipeline.base import Pass, Recipe
 from pipeline.config import register_pass
@@ -69,7 +70,7 @@ class WeightObserver(enum.StrEnum):
 
 
 @dataclass
-class Fp8Config:
+class Fp8Config(FallbackSettings):
     """``quant=fp8``: FP8 E4M3 weights (per output channel) and activations (per tensor, static)."""
 
     _target_: str = "passes.fp8.Fp8Recipe"
@@ -134,15 +135,6 @@ def activation_labels(graph: Any, linear_weights: dict[str, str]) -> dict[str, s
     for node in linear_matmuls(graph, linear_weights).values():
         labels.setdefault(node.input[0], f"{node.name} input")
     return labels
-
-
-def select_modules(linear_weights: dict[str, str], exclude: list[str]) -> tuple[list[str], list[str]]:
-    """(quantized, excluded) module names; patterns that match nothing are logged."""
-    excluded = sorted(m for m in linear_weights if any(fnmatch.fnmatchcase(m, p) for p in exclude))
-    for pattern in exclude:
-        if not any(fnmatch.fnmatchcase(m, pattern) for m in linear_weights):
-            log.warning("quant.exclude pattern %r matches no linear module", pattern)
-    return sorted(set(linear_weights) - set(excluded)), excluded
 
 
 def calibration_feeds(windows: np.ndarray, io: Any) -> Any:
@@ -263,6 +255,7 @@ class Fp8QdqPass(Pass):
         if "linear_weights" not in source.metadata:
             raise PassError(f"quant=fp8: {source.path} records no linear_weights; re-run export")
         check_opset(source)
+        check_patterns(source.metadata["linear_weights"], self.config.exclude)
         if self.config.activations and not (source.path / STATS_FILE).is_file():
             raise PassError(
                 f"quant=fp8: {source.path} has no activation statistics ({STATS_FILE}): run the "
@@ -276,7 +269,8 @@ class Fp8QdqPass(Pass):
         model_name = metadata.get("model_file", "model.onnx")
         model = onnx.load(str(source.path / model_name))
         linear_weights: dict[str, str] = metadata["linear_weights"]
-        quantized, excluded = select_modules(linear_weights, list(self.config.exclude))
+        quantized = sorted(select_modules(linear_weights, self.config.exclude, source.path))
+        excluded = sorted(set(linear_weights) - set(quantized))
         matmuls = linear_matmuls(model.graph, linear_weights)
         act_amax: dict[str, float] = {}
         if self.config.activations:
@@ -503,6 +497,8 @@ class Fp8Recipe(Recipe):
             exclude=list(config.exclude),
             min_top1_agreement=config.min_top1_agreement,
         )
-        if not config.activations:
-            return [qdq]
-        return [CalibratePass(calibration=config.calibration, num_bins=config.num_bins), qdq]
+        scan = sensitivity_pass(config, weight=WeightFormat.fp8, activations=config.activations)
+        steps: list[Pass] = [scan] if scan else []
+        if config.activations:
+            steps.append(CalibratePass(calibration=config.calibration, num_bins=config.num_bins))
+        return [*steps, qdq]

@@ -27,12 +27,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import fnmatch
 import json
 import logging
 import shutil
 from abc import abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -41,6 +40,8 @@ import numpy as np
 
 from calibration.datasets import CalibrationConfig
 from passes.export import EXTRAS_DIR  # export copies extras/ into the graph artifact
+from passes.selection import select_modules
+from passes.sensitivity import FallbackSettings
 from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, write_json, write_metadata
 from pipeline.base import Pass, Recipe
 from pipeline.errors import CalibrationError, ConfigError, PassError
@@ -123,22 +124,6 @@ def validate_settings(config: Any, where: str = "quant") -> None:
     accuracy = getattr(config, "accuracy_level", 0)
     if accuracy not in (0, 1, 2, 3, 4):
         raise ConfigError(f"{where}.accuracy_level={accuracy}: choose 0 (unset), 1, 2, 3 or 4")
-
-
-def select_modules(names: Iterable[str], exclude: list[str], where: str = "quant") -> list[str]:
-    """The module names not excluded. A pattern that matches nothing is a ConfigError: a typo
-    (``lm_haed``) would otherwise silently quantize the layer the user meant to keep."""
-    names = list(names)
-    for pattern in exclude:
-        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
-            example = ", ".join(names[:1] + names[-1:])
-            raise ConfigError(
-                f"{where}.exclude pattern {pattern!r} matches no linear module (names look like {example})"
-            )
-    kept = [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
-    if not kept:
-        log.warning("%s.exclude keeps every linear layer in fp32: nothing is quantized", where)
-    return kept
 
 
 def check_group_size(group_size: int, widths: dict[str, int], where: str = "quant") -> None:
@@ -444,17 +429,17 @@ class TorchInt4Pass(Pass):
     produces = Kind.TORCH
     algorithm: ClassVar[str]
 
-    def targets(self, model: Any) -> list[str]:
-        """The quantized layers' names, after the group-size and exclude checks."""
+    def targets(self, model: Any, folder: Path) -> list[str]:
+        """The quantized layers' names, after the exclude (and fallback) and group-size checks."""
         layers = linear_layers(model)
-        selected = select_modules(layers, self.config.exclude)
+        selected = select_modules(layers, self.config.exclude, folder)
         check_group_size(self.config.group_size, {n: layers[n].in_features for n in selected})
         return selected
 
     def requires(self, source: Artifact) -> None:
         if (source.path / EXTRAS_DIR / INT4_DIR).exists():
             raise PassError(f"{self.name}: {source.path} is already INT4-quantized; select one quant recipe")
-        self.targets(meta_model(source.path))  # fails before any weight is read
+        self.targets(meta_model(source.path), source.path)  # fails before any weight is read
 
     @abstractmethod
     def quantize_model(
@@ -472,7 +457,7 @@ class TorchInt4Pass(Pass):
 
         model = load_causal_lm(source.path)
         windows = token_windows(load_tokenizer(source.path), self.config.calibration)
-        targets = self.targets(model)
+        targets = self.targets(model, source.path)
         untied = LM_HEAD in targets and untie_lm_head(model)
         started = time.perf_counter()
         with torch.no_grad():
@@ -527,7 +512,7 @@ class TorchInt4Pass(Pass):
 
 
 @dataclass
-class Int4RecipeConfig(Int4Settings, Int4LoweringSettings):
+class Int4RecipeConfig(Int4Settings, Int4LoweringSettings, FallbackSettings):
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
     def __post_init__(self) -> None:
@@ -551,9 +536,17 @@ class Int4Recipe(Recipe):
 
     def passes(self) -> list[Pass]:
         from passes.matmulnbits import Int4LoweringPass
+        from passes.sensitivity import WeightFormat, sensitivity_pass
 
         validate_settings(self.config)
+        scan = sensitivity_pass(
+            self.config,
+            weight=WeightFormat.int4,
+            group_size=self.config.group_size,
+            symmetric=self.config.symmetric,
+        )
         return [
+            *([scan] if scan else []),
             self.torch_pass(**_subset(self.config, self.torch_pass.Config)),
             Int4LoweringPass(**_subset(self.config, Int4LoweringPass.Config)),
         ]

@@ -61,11 +61,11 @@ from typing import Any
 import numpy as np
 
 from calibration.datasets import CalibrationConfig
+from passes.selection import check_patterns, matches, select_modules
+from passes.sensitivity import FallbackSettings, WeightFormat, sensitivity_pass
 from passes.smoothquant import (
     SmoothQuantPass,
     as_calibration,
-    check_patterns,
-    excluded,
     read_activations,
     validate,
 )
@@ -102,7 +102,7 @@ class Int8QDQConfig:
 
 
 @dataclass
-class Int8Config:
+class Int8Config(FallbackSettings):
     """``quant=int8``: SmoothQuant W8A8 (per-channel INT8 weights, static per-tensor INT8
     activations; INT8 weight-only on ``weight_only`` layers). Keys as users type them:
     quant.alpha=0.7 quant.calibration.num_samples=128 quant.exclude=[lm_head] quant.weight_only=[]."""
@@ -145,6 +145,9 @@ class Int8Recipe(Recipe):
     def passes(self) -> list[Pass]:
         c = self.config
         validate(c)
+        scan = sensitivity_pass(
+            c, weight=WeightFormat.int8, activations=True, weight_only=list(c.weight_only)
+        )
         return [
             SmoothQuantPass(
                 alpha=c.alpha,
@@ -156,6 +159,7 @@ class Int8Recipe(Recipe):
                 smooth_down_proj=c.smooth_down_proj,
                 batch_size=c.batch_size,
             ),
+            *([scan] if scan else []),
             Int8QDQPass(
                 exclude=list(c.exclude), weight_only=list(c.weight_only), check_lowering=c.check_lowering
             ),
@@ -351,10 +355,9 @@ class Int8QDQPass(Pass):
         linear_weights: dict[str, str] = source.metadata["linear_weights"]
         names = sorted(linear_weights)
         config = self.config
-        check_patterns(names, config.exclude)
         check_patterns(names, config.weight_only, "quant.weight_only")
-        modules = [n for n in names if not excluded(n, config.exclude)]
-        weight_only = [n for n in modules if excluded(n, config.weight_only)]
+        modules = select_modules(names, config.exclude, source.path)
+        weight_only = [n for n in modules if matches(n, config.weight_only)]
         w8a8 = [n for n in modules if n not in weight_only]
         activations = read_activations(source.path)
         model_file = source.metadata.get("model_file", MODEL_FILE)

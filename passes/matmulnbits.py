@@ -42,9 +42,9 @@ from passes.int4 import (
     matmulnbits_tensors,
     qdq_tensors,
     quantize_rtn,
-    select_modules,
     validate_settings,
 )
+from passes.selection import select_modules
 from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
 from pipeline.base import Pass
 from pipeline.errors import PassError
@@ -78,7 +78,7 @@ class Int4LoweringPass(Pass):
         weights = source.metadata.get("linear_weights")
         if not weights:
             raise PassError(f"{self.name}: {source.path} records no linear_weights; re-run export")
-        select_modules(weights, self.config.exclude)
+        select_modules(weights, self.config.exclude, source.path)
         opset = int(source.metadata.get("opset", 0))
         if self.config.lowering == Lowering.qdq and opset < QDQ_MIN_OPSET:
             raise PassError(
@@ -93,7 +93,7 @@ class Int4LoweringPass(Pass):
         weights: dict[str, str] = metadata["linear_weights"]
         info, stored = load_params(source.path / EXTRAS_DIR / INT4_DIR)
         self._check_stored(info)
-        targets = select_modules(weights, self.config.exclude)
+        targets = select_modules(weights, self.config.exclude, source.path)
         model = onnx.load(str(source.path / MODEL_FILE))
         graph = model.graph
         initializers = {init.name: init for init in graph.initializer}

@@ -36,7 +36,6 @@ input on a calibration window (``parity_tolerance``); ``ensures`` checks the rec
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import logging
 import math
@@ -48,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from calibration.datasets import CalibrationConfig, token_windows
+from passes.selection import check_patterns, matches
 from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, write_json, write_metadata
 from pipeline.base import Pass
 from pipeline.errors import CalibrationError, PassError
@@ -113,21 +113,6 @@ def validate(config: Any, where: str = "quant") -> None:
         raise CalibrationError(f"{where}.calibration.seq_len={calibration.seq_len}: must be at least 2")
     if config.batch_size < 1:
         raise PassError(f"{where}.batch_size={config.batch_size}: must be at least 1")
-
-
-def excluded(name: str, patterns: list[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def check_patterns(names: list[str], patterns: list[str], knob: str = "quant.exclude") -> None:
-    """A pattern that matches no module is a typo (``lm_haed``) that would quantize a layer the user
-    meant to keep: fail."""
-    for pattern in patterns:
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-            raise PassError(
-                f"{knob} pattern {pattern!r} matches no linear module "
-                f"(names look like {names[0]}, {names[-1]})"
-            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,7 +258,7 @@ def smooth_model(
     groups = smoothing_groups(model, config.smooth_o_proj, config.smooth_down_proj)
     with torch.no_grad():
         for group in groups:
-            if all(excluded(c, config.exclude + config.weight_only) for c in group.consumers):
+            if all(matches(c, config.exclude + config.weight_only) for c in group.consumers):
                 continue
             consumers = [modules[c] for c in group.consumers]
             weights = [m.weight for m in consumers]

@@ -40,11 +40,11 @@ def test_shipped_text_declares_its_source_and_licence() -> None:
 @pytest.mark.parametrize(
     ("config", "text", "needle"),
     [
-        (CalibrationConfig(num_samples=0), None, "calibration.num_samples must be at least 1"),
-        (CalibrationConfig(seq_len=1), None, "calibration.seq_len must be at least 2"),
-        (CalibrationConfig(seq_len=64), "too short", "shorter than one sequence of calibration.seq_len=64"),
-        (CalibrationConfig(num_samples=10**6, seq_len=64), None, "calibration.num_samples=1000000 exceeds"),
-        (CalibrationConfig(dataset="wiki"), None, "calibration.dataset='wiki' is unknown"),
+        (CalibrationConfig(num_samples=0), None, "quant.calibration.num_samples must be at least 1"),
+        (CalibrationConfig(seq_len=1), None, "quant.calibration.seq_len must be at least 2"),
+        (CalibrationConfig(seq_len=64), "too short", "than one sequence of quant.calibration.seq_len=64"),
+        (CalibrationConfig(num_samples=9999, seq_len=64), None, "quant.calibration.num_samples=9999 exceeds"),
+        (CalibrationConfig(dataset="wiki"), None, "quant.calibration.dataset='wiki' is unknown"),
     ],
 )
 def test_bad_calibration_settings_are_one_line_errors(

@@ -145,7 +145,7 @@ def test_awq_layer_output_error_is_lower_than_round_to_nearest(
     outlier_llama: Artifact, tmp_path: Path
 ) -> None:
     """Decoder-layer output MSE on calibration inputs: AWQ's weights vs RTN of the same weights."""
-    step = AwqPass(group_size=32, calibration=CALIBRATION, exclude=["lm_head"])
+    step = AwqPass(group_size=32, calibration=CALIBRATION, exclude=["lm_head"], grid=10)
     step.run(outlier_llama, tmp_path)
     step.ensures(outlier_llama, Artifact.from_dir(Kind.TORCH, tmp_path))
     original, awq = load_causal_lm(outlier_llama.path), load_causal_lm(tmp_path)

@@ -17,7 +17,6 @@ from passes.int4 import (
     qdq_tensors,
     quantize_rtn,
     save_params,
-    select_modules,
     unpack_uint4,
 )
 from pipeline.artifacts import Artifact
@@ -138,21 +137,6 @@ def test_params_round_trip_through_extras(tmp_path) -> None:  # type: ignore[no-
     assert load_params(tmp_path / "missing") == ({}, {})
 
 
-NAMES = [
-    "model.layers.0.self_attn.q_proj",
-    "model.layers.0.mlp.down_proj",
-    "model.layers.1.mlp.down_proj",
-    "lm_head",
-]
-
-
-def test_exclude_patterns_select_modules() -> None:
-    assert select_modules(NAMES, ["lm_head", "*.0.*"]) == ["model.layers.1.mlp.down_proj"]
-    assert select_modules(NAMES, ["*down_proj"]) == [NAMES[0], NAMES[3]]
-    with pytest.raises(ConfigError, match=r"quant.exclude pattern 'lm_haed' matches no linear module"):
-        select_modules(NAMES, ["lm_haed"])
-
-
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -180,10 +164,11 @@ def test_group_size_must_divide_every_input_width(tiny_source: Artifact) -> None
 def test_hydra_recipe_expands_around_export() -> None:
     cfg = compose_recipe(["quant=int4_gptq", "quant.group_size=32", "quant.exclude=[lm_head]"])
     passes = build_passes(cfg)
-    assert [p.name for p in passes] == ["gptq", "export", "int4_lowering", "build"]
-    assert passes[0].config.group_size == 32 and passes[2].config.exclude == ["lm_head"]
-    assert passes[0].config.calibration == CalibrationConfig()
+    assert [p.name for p in passes] == ["sensitivity", "gptq", "export", "int4_lowering", "build"]
+    assert passes[1].config.group_size == 32 and passes[3].config.exclude == ["lm_head"]
+    assert passes[1].config.calibration == CalibrationConfig()
+    assert passes[0].config.group_size == 32 and passes[0].config.exclude == ["lm_head"]
     cfg = compose_recipe(["quant=int4_awq", "quant.lowering=qdq", "quant.calibration.num_samples=8"])
     passes = build_passes(cfg)
-    assert [p.name for p in passes] == ["awq", "export", "int4_lowering", "build"]
-    assert passes[0].config.calibration.num_samples == 8 and passes[2].config.lowering == "qdq"
+    assert [p.name for p in passes] == ["sensitivity", "awq", "export", "int4_lowering", "build"]
+    assert passes[1].config.calibration.num_samples == 8 and passes[3].config.lowering == "qdq"

@@ -25,7 +25,7 @@ from passes.export import ExportPass
 from passes.int8 import DEFAULT_WEIGHT_ONLY, Int8QDQPass, Int8Recipe
 from passes.smoothquant import SmoothQuantPass
 from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import CalibrationError, PassError
+from pipeline.errors import CalibrationError, ConfigError, PassError
 from pipeline.plugins import build_passes
 from pipeline.runtime.ort import OrtModel, graph_io
 from pipeline.torch_model import load_causal_lm, load_tokenizer
@@ -258,7 +258,7 @@ def test_graph_pass_errors(
         Int8QDQPass().requires(tiny_graph)  # exported without the smoothquant pass
     with pytest.raises(PassError, match="already quantized"):
         Int8QDQPass().requires(int8_graph[0])
-    with pytest.raises(PassError, match=r"quant.weight_only pattern 'down_proj' matches no linear module"):
+    with pytest.raises(ConfigError, match=r"quant.weight_only pattern 'down_proj' matches no linear module"):
         Int8QDQPass(weight_only=["down_proj"]).run(fp32_graph, tmp_path)
     # A non-finite calibrated range (a corrupted or hand-edited extras/int8/activations.json).
     broken = tmp_path / "broken"
@@ -277,8 +277,9 @@ def test_recipe_expands_to_both_stages() -> None:
         ["quant=int8", "quant.alpha=0.7", "quant.calibration.num_samples=16", "quant.exclude=[lm_head]"]
     )
     passes = build_passes(cfg)
-    assert [p.name for p in passes] == ["smoothquant", "export", "int8_qdq", "build"]
-    smooth, qdq = passes[0].config, passes[2].config
+    assert [p.name for p in passes] == ["smoothquant", "sensitivity", "export", "int8_qdq", "build"]
+    smooth, scan, qdq = passes[0].config, passes[1].config, passes[3].config
+    assert scan.weight == "int8" and scan.activations and scan.weight_only == DEFAULT_WEIGHT_ONLY
     assert smooth.alpha == 0.7 and smooth.calibration.num_samples == 16 and smooth.exclude == ["lm_head"]
     assert qdq.exclude == ["lm_head"] and qdq.weight_only == smooth.weight_only == DEFAULT_WEIGHT_ONLY
 
@@ -313,8 +314,9 @@ def test_cli_end_to_end(tiny_llama: Path, tmp_path: Path) -> None:
     result = run_cli(tiny_llama, tmp_path, "quant.calibration.num_samples=4", "quant.calibration.seq_len=32")
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    assert [p["name"] for p in manifest["passes"]] == ["smoothquant", "export", "int8_qdq", "build"]
-    assert manifest["passes"][2]["metrics"]["ort_kernels"]["MatMulIntegerToFloat"] == 12
+    names = ["smoothquant", "sensitivity", "export", "int8_qdq", "build"]
+    assert [p["name"] for p in manifest["passes"]] == names
+    assert manifest["passes"][3]["metrics"]["ort_kernels"]["MatMulIntegerToFloat"] == 12
     quality = manifest["quality"]
     assert not quality["same_engine"] and 0 < quality["top1_agreement"] <= 1 and quality["perplexity"] > 1
     assert manifest["recipe"]["quant"]["alpha"] == 0.8
@@ -345,8 +347,9 @@ def test_default_model_int8(tmp_path: Path) -> None:
     from pipeline.sources import resolve_source
 
     cfg = compose_recipe(
-        ["model=llama", "quant=int8", "quant.calibration.num_samples=8", "quant.calibration.seq_len=128"]
-    )
+        ["model=llama", "quant=int8", "quant.calibration.num_samples=8", "quant.calibration.seq_len=128",
+         "quant.sensitivity.enabled=false"]  # the scan runs on the default model in test_matmulnbits
+    )  # fmt: skip
     model_cfg = OmegaConf.to_object(cfg.model)
     assert isinstance(model_cfg, ModelConfig)
     source = resolve_source(model_cfg, REPO / "artifacts" / "models")

@@ -14,7 +14,7 @@ import torch
 from calibration.datasets import CalibrationConfig, token_windows
 from passes.smoothquant import ACTIVATIONS_FILE, SmoothQuantPass
 from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import CalibrationError, PassError
+from pipeline.errors import CalibrationError, ConfigError, PassError
 from pipeline.torch_model import load_causal_lm, load_tokenizer
 from tests.conftest import make_tiny_llama
 
@@ -192,7 +192,7 @@ def test_bad_config_is_a_one_line_error(
 
 
 def test_exclude_typo_names_the_knob(tiny_source: Artifact, tmp_path: Path) -> None:
-    with pytest.raises(PassError, match=r"quant.exclude pattern 'lm_haed' matches no linear module"):
+    with pytest.raises(ConfigError, match=r"quant.exclude pattern 'lm_haed' matches no linear module"):
         SmoothQuantPass(calibration=CALIBRATION, exclude=["lm_haed"]).run(tiny_source, tmp_path)
 
 

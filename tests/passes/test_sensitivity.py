@@ -1,0 +1,123 @@
+"""The sensitivity pass in the quant recipes: the scan in the run record, quant.fallback=auto
+keeping the most sensitive layers in fp32 in the final graph, and its bad-input errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto
+
+from passes.selection import FALLBACK_FILE
+from passes.sensitivity import SCAN_FILE, SensitivityPass
+from pipeline.artifacts import Artifact, sha256_file
+from pipeline.cache import Cache
+from pipeline.errors import ConfigError
+from pipeline.manager import PassManager
+from pipeline.plugins import build_passes
+from tests.pipeline.recipe import compose_recipe
+from tests.pipeline.test_main import run_pipeline
+
+QUICK = ["quant.calibration.num_samples=4", "quant.calibration.seq_len=32", "quant.sensitivity.seq_len=32"]
+RECIPES = {
+    "int4_gptq": ["quant=int4_gptq", "quant.group_size=32"],
+    "int4_awq": ["quant=int4_awq", "quant.group_size=32"],
+    "int8": ["quant=int8"],
+    "fp8": ["quant=fp8", "quant.exclude=[]"],
+}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "names"),
+    [
+        ("int4_gptq", ["sensitivity", "gptq", "export", "int4_lowering", "build"]),
+        ("int8", ["smoothquant", "sensitivity", "export", "int8_qdq", "build"]),
+        ("fp8", ["sensitivity", "export", "calibrate-activations", "fp8-qdq", "build"]),
+    ],
+)
+def test_every_recipe_scans_before_it_quantizes(recipe: str, names: list[str]) -> None:
+    assert [p.name for p in build_passes(compose_recipe(RECIPES[recipe]))] == names
+    disabled = build_passes(compose_recipe([*RECIPES[recipe], "quant.sensitivity.enabled=false"]))
+    assert [p.name for p in disabled] == [n for n in names if n != "sensitivity"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["quant.kl_budget=0"], "quant.kl_budget=0.0: must be a positive number"),
+        (["quant.max_fallback_layers=0"], "quant.max_fallback_layers=0: must be at least 1"),
+        (["quant.sensitivity.num_samples=0"], "quant.sensitivity.num_samples=0: at least one window"),
+        (
+            ["quant.fallback=auto", "quant.sensitivity.enabled=false"],
+            "quant.fallback=auto needs the sensitivity scan",
+        ),
+    ],
+)
+def test_bad_knobs_are_config_errors(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        build_passes(compose_recipe([*RECIPES["int4_gptq"], *overrides]))
+
+
+def test_unknown_fallback_mode_fails_at_parse_time() -> None:
+    with pytest.raises(Exception, match="fallback"):
+        compose_recipe([*RECIPES["int8"], "quant.fallback=sometimes"])
+
+
+def test_weights_pass_through_unchanged(tiny_source: Artifact, tmp_path: Path) -> None:
+    SensitivityPass(weight="int4", group_size=32, sensitivity={"num_samples": 2, "seq_len": 32}).run(
+        tiny_source, tmp_path
+    )
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert sha256_file(tmp_path / name) == sha256_file(tiny_source.path / name)
+    scan = json.loads((tmp_path / SCAN_FILE).read_text())
+    kl = [entry["kl"] for entry in scan["ranking"]]
+    assert len(kl) == 15 and kl == sorted(kl, reverse=True) and kl[-1] >= 0  # 2 x 7 projections + lm_head
+    assert json.loads((tmp_path / FALLBACK_FILE).read_text())["modules"] == []
+
+
+def fp32_weight_initializers(graph_dir: Path) -> set[str]:
+    model = onnx.load(str(graph_dir / "model.onnx"), load_external_data=False)
+    return {i.name for i in model.graph.initializer if i.data_type == TensorProto.FLOAT}
+
+
+@pytest.mark.parametrize("recipe", ["int4_gptq", "int4_awq", "int8", "fp8"])
+def test_fallback_auto_keeps_the_most_sensitive_layers_in_fp32(
+    recipe: str, tiny_source: Artifact, tmp_path: Path
+) -> None:
+    """A budget no quantized model meets: fallback keeps max_fallback_layers=2, the top of the scan."""
+    overrides = [*RECIPES[recipe], *QUICK, "quant.fallback=auto", "quant.kl_budget=1e-12"]
+    cfg = compose_recipe([*overrides, "quant.max_fallback_layers=2"])
+    engine, records = PassManager(build_passes(cfg), Cache(tmp_path / "cache")).run(tiny_source)
+    scan = next(r for r in records if r.name == "sensitivity").metrics
+    ranking = [entry["module"] for entry in scan["ranking"]]
+    assert len(ranking) == 15 and scan["fallback"]["modules"] == ranking[:2]
+    assert not scan["fallback"]["budget_met"]
+    fp32 = fp32_weight_initializers(engine.path)
+    kept = {m for m in ranking if f"{m}.weight_t" in fp32}  # the export's names
+    assert kept == set(ranking[:2]), "only the fallback layers stay fp32"
+
+
+def test_cli_writes_the_scan_to_the_run_record(tiny_llama: Path, tmp_path: Path) -> None:
+    fallback = ["quant.fallback=auto", "quant.kl_budget=1e-12", "quant.max_fallback_layers=1"]
+    overrides = [*RECIPES["int8"], *QUICK, *fallback]
+    result = run_pipeline(tiny_llama, tmp_path, "run", "bench=none", *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    scan = next(p for p in manifest["passes"] if p["name"] == "sensitivity")["metrics"]
+    kl = [entry["kl"] for entry in scan["ranking"]]
+    assert len(kl) == 15 and kl == sorted(kl, reverse=True)  # the record keeps the ranking order
+    assert scan["fallback"]["modules"] == [scan["ranking"][0]["module"]]
+    assert scan["most_sensitive"][0]["kl"] == kl[0]
+    assert manifest["recipe"]["quant"]["fallback"] == "auto" and manifest["quality"]["perplexity"] > 1
+
+
+def test_cli_bad_budget_is_one_line_and_caches_nothing(tiny_llama: Path, tmp_path: Path) -> None:
+    result = run_pipeline(tiny_llama, tmp_path, "run", "bench=none", *RECIPES["fp8"], "quant.kl_budget=-1")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: quant.kl_budget=-1.0: must be a positive number")
+    cache = tmp_path / "cache"
+    assert not cache.exists() or not any(p.is_dir() and len(p.name) == 64 for p in cache.iterdir())
