@@ -8,7 +8,10 @@ What one run does:
    (the pipeline cache makes a rerun cheap; the log goes to ``<out>/<recipe>.log``). A recipe
    without a config (Hydra: ``Could not find 'quant/<recipe>'``) is reported as *not available*
    and a recipe whose build fails as *failed*, with its last error line; neither stops the
-   script. ``none`` is always built: it is the fp32 reference of every comparison.
+   script. ``none`` is always built: it is the fp32 reference of every comparison. Each
+   ``--variant LABEL RECIPE OVERRIDE...`` adds a row built with those overrides (default: the naive
+   static INT8 baseline, ``int8`` without smoothing and every layer W8A8, and ``fp8`` with
+   ``quant.fallback=auto``).
 2. **Build** the model builder's int4 model (``python -m onnxruntime_genai.models.builder -i <hf
    folder> -o <out> -p int4 -e cpu``; round-to-nearest blocks of 32, fused graph with
    GroupQueryAttention and MatMulNBits) from the HF folder the ``none`` run used (its manifest's
@@ -87,6 +90,12 @@ BUILDER_PASS_NAME = "ortgenai_model_builder"
 BUILDER_PASS_VERSION = 1
 GREEDY_CHECK_TOKENS = 16
 GREEDY_CHECK_TEXT = "The history of the printing press begins in"
+# Rows beside the plain recipes: the naive static INT8 baseline the int8 recipe must beat (no
+# smoothing, every layer W8A8), and fp8 keeping its most sensitive layers in fp32.
+DEFAULT_VARIANTS = [
+    ["int8-naive", "int8", "quant.smooth=false", "quant.weight_only=[]", "quant.sensitivity.enabled=false"],
+    ["fp8-fallback", "fp8", "quant.fallback=auto", "quant.kl_budget=0.01", "quant.max_fallback_layers=32"],
+]
 _RECIPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _KV_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16"}
 
@@ -125,10 +134,14 @@ def _tail(text: str, lines: int = 1) -> str:
     return " | ".join(kept[-lines:]) if kept else "no output"
 
 
-def build_recipe(recipe: str, out: Path, timeout_s: int) -> Contestant:
-    """Run the pipeline CLI for ``quant=<recipe>``; never raises for a missing or failing recipe."""
-    row = Contestant(recipe, "recipe")
-    run_dir = out / recipe
+def build_recipe(
+    recipe: str, out: Path, timeout_s: int, label: str | None = None, overrides: tuple[str, ...] = ()
+) -> Contestant:
+    """Run the pipeline CLI for ``quant=<recipe> <overrides>`` (a row named ``label``, default the
+    recipe); never raises for a missing or failing recipe."""
+    label = label or recipe
+    row = Contestant(label, "recipe")
+    run_dir = out / label
     manifest_path = run_dir / "manifest.json"
     manifest_path.unlink(missing_ok=True)  # a stale record must never stand in for a failed rebuild
     command = [
@@ -137,11 +150,12 @@ def build_recipe(recipe: str, out: Path, timeout_s: int) -> Contestant:
         "pipeline",
         "model=llama",
         f"quant={recipe}",
+        *overrides,
         "bench=none",
         f"hydra.run.dir={run_dir}",
     ]
-    log_path = out / f"{recipe}.log"
-    _say(f"build  quant={recipe} ...")
+    log_path = out / f"{label}.log"
+    _say(f"build  {label}: quant={recipe} {' '.join(overrides)} ...")
     start = time.perf_counter()
     try:
         result = subprocess.run(
@@ -447,6 +461,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     recipes = list(dict.fromkeys([REFERENCE, *args.recipes]))  # none first, always: the reference
     rows = [build_recipe(recipe, out, args.build_timeout) for recipe in recipes]
+    for label, recipe, *overrides in DEFAULT_VARIANTS if args.variant is None else args.variant:
+        rows.append(build_recipe(recipe, out, args.build_timeout, label, tuple(overrides)))
     reference = rows[0]
     if not reference.ok or reference.manifest is None:
         raise UsageError(f"the reference recipe quant={REFERENCE} did not build: {reference.note}")
@@ -629,6 +645,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--recipes", nargs="+", default=DEFAULT_RECIPES, help="quant= options (none is always built)"
     )
+    parser.add_argument(
+        "--variant",
+        nargs="+",
+        action="append",
+        metavar="LABEL RECIPE OVERRIDE",
+        help="a recipe with overrides as its own row, e.g. --variant int8-naive int8 quant.smooth=false "
+        "'quant.weight_only=[]' (repeatable; default: "
+        + "; ".join(" ".join(v) for v in DEFAULT_VARIANTS)
+        + "; --variant none: no variants)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="measured runs per engine (median)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured runs first")
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
@@ -639,6 +665,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or args.threads < 1 or args.build_timeout < 1:
         parser.error("--repeats, --threads and --build-timeout must be >= 1, --warmup >= 0")
+    if args.variant and any(v == ["none"] for v in args.variant):
+        args.variant = [] if args.variant == [["none"]] else parser.error("--variant none stands alone")
+    for variant in args.variant or []:
+        named = len(variant) >= 2 and all(_RECIPE_NAME.match(v) for v in variant[:2])
+        if not named or variant[0] in args.recipes:
+            parser.error(f"--variant {' '.join(variant)}: give a new LABEL, a RECIPE, then overrides")
     bad = [r for r in args.recipes if not _RECIPE_NAME.match(r)]
     if bad:
         parser.error(f"--recipes takes quant option names such as int8, not {' '.join(bad)}")
