@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from evals.statistics import (
+from evals.stats import (
     GateThresholds,
     McNemarResult,
     SuiteComparison,
