@@ -95,13 +95,15 @@ class Int4LoweringSettings:
     """How the graph stage writes the INT4 layers."""
 
     lowering: Lowering = Lowering.matmulnbits
-    # MatMulNBits accuracy_level. 4 (default): ONNX Runtime quantizes the activations to int8 per
-    # block and uses integer dot products: on this machine a decode-shaped (1 x 576 x 1536) INT4
-    # matmul takes 0.07 ms against 0.19 ms at 0 and 0.46 ms in fp32, and the default model decodes
-    # ~2x faster, for perplexity 28.88 vs 28.84; prefill-shaped matmuls (512 rows) are ~1.8x slower
-    # than at 0. 0: unset, fp32 compute; the graph then equals the fake-quantized torch model to
-    # ~1e-4 (the tests check this). Ignored by the Q/DQ lowering (ONNX Runtime fuses DQ + MatMul
-    # into MatMulNBits at its session option ``session.qdq_matmulnbits_accuracy_level``, default 4).
+    # MatMulNBits accuracy_level. 4 (default, as ORT GenAI's builder uses for CPU): ONNX Runtime
+    # quantizes the activations to int8 per block and uses integer dot products: a decode-shaped
+    # (1 x 576 x 1536) INT4 matmul takes 0.07 ms against 0.19 ms at 0 (fp32 MatMul: 0.46 ms), a
+    # prefill-shaped one (512 rows) ~1.8x longer than at 0. On the default model (GPTQ) decode is
+    # faster at 4 (TPOT 26-30 vs 29-32 ms in alternating runs; 39 vs 75 ms in one loaded run),
+    # prefill slower (TTFT@512 1.38-1.47 vs 1.05-1.17 s), perplexity 28.88 vs 28.84. 0: unset,
+    # fp32 compute; the graph then equals the fake-quantized torch model to ~1e-4 (the tests check
+    # this). Ignored by the Q/DQ lowering (ONNX Runtime fuses DQ + MatMul into MatMulNBits at its
+    # session option ``session.qdq_matmulnbits_accuracy_level``, default 4).
     accuracy_level: int = 4
 
 
