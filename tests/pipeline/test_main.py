@@ -149,8 +149,16 @@ def test_bad_order_fails_before_touching_the_model(tmp_path: Path) -> None:
 def test_ctrl_c_leaves_no_partial_output(tiny_llama: Path, tmp_path: Path, when: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     command = pipeline_command(tiny_llama, tmp_path, "run", *QUICK_BENCH, "export.opset=18")
+    # Restore SIGINT's default in the child: under a non-interactive shell's background job (a
+    # CI runner, nohup) it is inherited as ignored, and Python then installs no Ctrl-C handler.
     process = subprocess.Popen(
-        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert process.stdout is not None
     for line in process.stdout:
