@@ -1,0 +1,150 @@
+"""The eval gate: the candidate engine vs the baseline engine on the same items, suite by suite.
+
+Each engine is scored item by item (``ScoreFn``: 0/1 per item, keyed by item id and the item's
+content hash); the two lists are paired by id, and a pair whose hashes differ is an error (the
+suite changed between the two scorings). Per suite, ``evals/stats.py`` gives the paired
+bootstrap CI of the score difference, McNemar's exact test and the recovery, and the suite's
+thresholds give PASS or FAIL; the gate FAILs when any suite does. The token-level KL of the
+run's quality record (held-out text) joins every suite's rule as ``max_kl``.
+
+Scores of one engine on one suite depend only on the engine's content, the frozen suite and the
+scoring settings, so they are cached by those (the baseline of a nightly matrix is scored once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from evals.stats import GateThresholds, compare_suite, verdict
+
+log = logging.getLogger(__name__)
+
+PASS, FAIL = "PASS", "FAIL"
+
+
+class GateError(ValueError):
+    """The two scorings cannot be paired (different items, a changed suite, ...)."""
+
+
+@dataclass(frozen=True)
+class ItemScore:
+    """One engine's result on one item."""
+
+    id: str
+    hash: str
+    score: float
+
+
+# (engine folder, suite name) -> per-item scores
+ScoreFn = Callable[[Path, str], list[ItemScore]]
+
+
+def pair_scores(
+    suite: str, baseline: Sequence[ItemScore], candidate: Sequence[ItemScore]
+) -> tuple[list[float], list[float]]:
+    """Scores of the same items in the same order; raise GateError unless both hold the same items."""
+    base = {s.id: s for s in baseline}
+    cand = {s.id: s for s in candidate}
+    if len(base) != len(baseline) or len(cand) != len(candidate):
+        raise GateError(f"eval suite '{suite}': an item id occurs twice in one scoring")
+    if base.keys() != cand.keys():
+        missing = sorted(base.keys() ^ cand.keys())
+        raise GateError(
+            f"eval suite '{suite}': the engines were scored on different items ({len(missing)} unpaired, "
+            f"e.g. {missing[0]}); score both with the same eval settings"
+        )
+    changed = [i for i in base if base[i].hash != cand[i].hash]
+    if changed:
+        raise GateError(
+            f"eval suite '{suite}': item {changed[0]} differs between the two scorings "
+            f"({len(changed)} items); the suite changed in between: score both again"
+        )
+    ids = sorted(base)
+    return [base[i].score for i in ids], [cand[i].score for i in ids]
+
+
+def judge_suite(
+    suite: str,
+    baseline: Sequence[ItemScore],
+    candidate: Sequence[ItemScore],
+    thresholds: GateThresholds,
+    kl: float | None = None,
+    confidence: float = 0.95,
+    resamples: int = 10_000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """One row of the gate table: scores, difference with CI, McNemar, recovery, verdict."""
+    base, cand = pair_scores(suite, baseline, candidate)
+    comparison = compare_suite(base, cand, confidence=confidence, resamples=resamples, seed=seed)
+    outcome, reasons = verdict(comparison, thresholds, kl)
+    row = asdict(comparison)
+    row["p_value"] = comparison.mcnemar.p_value if comparison.mcnemar else None
+    row.update({"verdict": outcome, "reasons": reasons, "thresholds": asdict(thresholds)})
+    return row
+
+
+def cached_scores(
+    score_fn: ScoreFn, engine: Path, digest: str, suite: str, settings: dict[str, Any], cache_dir: Path | None
+) -> list[ItemScore]:
+    """``score_fn(engine, suite)``, kept under ``cache_dir/eval/`` by engine digest, suite and settings."""
+    if cache_dir is None:
+        return score_fn(engine, suite)
+    key = json.dumps({"engine": digest, "suite": suite, "settings": settings}, sort_keys=True, default=str)
+    path = cache_dir / "eval" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+    if path.is_file():
+        log.info("eval: %s scores of %s from the cache", suite, digest[:12])
+        return [ItemScore(**entry) for entry in json.loads(path.read_text())["items"]]
+    scores = score_fn(engine, suite)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": json.loads(key), "items": [asdict(s) for s in scores]}))
+    os.replace(tmp, path)  # whole or absent
+    return scores
+
+
+def run_gate(
+    candidate: tuple[Path, str],
+    baseline: tuple[Path, str],
+    suites: Sequence[str],
+    thresholds: dict[str, GateThresholds],
+    score_fn: ScoreFn,
+    settings: dict[str, Any],
+    kl: float | None = None,
+    cache_dir: Path | None = None,
+    confidence: float = 0.95,
+    resamples: int = 10_000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Score both engines (folder, content digest) on every suite and judge each; the record the
+    run manifest keeps as ``gate``. ``settings`` (suite size, scoring, ...) key the score cache."""
+    rows: dict[str, dict[str, Any]] = {}
+    for suite in suites:
+        base = cached_scores(score_fn, baseline[0], baseline[1], suite, settings, cache_dir)
+        if candidate[1] == baseline[1]:
+            cand = base  # the same engine: scored once
+        else:
+            cand = cached_scores(score_fn, candidate[0], candidate[1], suite, settings, cache_dir)
+        rows[suite] = judge_suite(suite, base, cand, thresholds[suite], kl, confidence, resamples, seed)
+    failed = [suite for suite, row in rows.items() if row["verdict"] == FAIL]
+    reason = (
+        "; ".join(f"{suite}: {rows[suite]['reasons'][0]}" for suite in failed)
+        if failed
+        else f"{len(rows)} suite(s) within thresholds"
+    )
+    return {
+        "verdict": FAIL if failed else PASS,
+        "reason": reason,
+        "suites": rows,
+        "settings": settings,
+        "kl": kl,
+        "baseline": baseline[1],
+        "candidate": candidate[1],
+        "same_engine": candidate[1] == baseline[1],
+    }

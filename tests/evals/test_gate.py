@@ -1,0 +1,76 @@
+"""The gate's pairing, per-suite verdicts and score cache (scores given as data: no engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from evals.gate import FAIL, PASS, GateError, ItemScore, judge_suite, pair_scores, run_gate
+from evals.stats import GateThresholds
+
+
+def scores(values: list[int], prefix: str = "s", salt: str = "") -> list[ItemScore]:
+    return [ItemScore(f"{prefix}-{i:03d}", f"h{i}{salt}", float(v)) for i, v in enumerate(values)]
+
+
+def test_pairing_matches_ids_in_any_order() -> None:
+    base = scores([1, 0, 1])
+    cand = list(reversed(scores([0, 0, 1])))
+    assert pair_scores("s", base, cand) == ([1.0, 0.0, 1.0], [0.0, 0.0, 1.0])
+
+
+@pytest.mark.parametrize(
+    ("candidate", "needle"),
+    [
+        (scores([1, 0]), "scored on different items (1 unpaired, e.g. s-002)"),
+        (scores([1, 0, 1], salt="x"), "item s-000 differs between the two scorings (3 items)"),
+        (scores([1, 0, 1]) + scores([1]), "an item id occurs twice"),
+    ],
+)
+def test_unpairable_scorings_are_errors(candidate: list[ItemScore], needle: str) -> None:
+    with pytest.raises(GateError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        pair_scores("s", scores([1, 0, 1]), candidate)
+
+
+def test_an_unchanged_engine_passes_and_a_broken_one_fails() -> None:
+    rng_values = [i % 3 != 0 for i in range(300)]  # 200 of 300 right
+    base = scores([int(v) for v in rng_values])
+    same = judge_suite("s", base, base, GateThresholds())
+    assert same["verdict"] == PASS and same["difference"] == 0 and same["p_value"] == 1.0
+    broken = scores([int(v and i % 4 != 0) for i, v in enumerate(rng_values)])  # 50 right answers lost
+    row = judge_suite("s", base, broken, GateThresholds())
+    assert row["verdict"] == FAIL and row["ci_high"] < 0 and row["p_value"] < 1e-6
+    assert (
+        row["mcnemar"]["b"] == 50 and row["mcnemar"]["c"] == 0 and row["recovery"] == pytest.approx(150 / 200)
+    )
+
+
+def test_kl_rule_fails_an_otherwise_equal_engine() -> None:
+    base = scores([1, 0] * 100)
+    row = judge_suite("s", base, base, GateThresholds(max_kl=0.05), kl=0.2)
+    assert row["verdict"] == FAIL and any("max_kl" in r for r in row["reasons"])
+
+
+def test_run_gate_scores_each_engine_once_and_caches(tmp_path: Path) -> None:
+    calls: list[tuple[str, str]] = []
+    results = {
+        "base": {"a": [1, 1, 0, 1] * 50, "b": [1, 0] * 100},
+        "cand": {"a": [1, 1, 0, 1] * 50, "b": [0] * 200},
+    }
+
+    def score(engine: Path, suite: str) -> list[ItemScore]:
+        calls.append((engine.name, suite))
+        return scores(results[engine.name][suite], prefix=suite)
+
+    thresholds = {"a": GateThresholds(), "b": GateThresholds()}
+    kwargs = dict(suites=["a", "b"], thresholds=thresholds, score_fn=score, settings={"size": "quick"})
+    cand, base = (tmp_path / "cand", "d-cand"), (tmp_path / "base", "d-base")
+    record = run_gate(cand, base, **kwargs, cache_dir=tmp_path)
+    assert record["verdict"] == FAIL and record["suites"]["a"]["verdict"] == PASS
+    assert record["suites"]["b"]["verdict"] == FAIL and record["reason"].startswith("b: ")
+    assert sorted(calls) == [("base", "a"), ("base", "b"), ("cand", "a"), ("cand", "b")]
+    again = run_gate(cand, base, **kwargs, cache_dir=tmp_path)
+    assert len(calls) == 4 and again["suites"] == record["suites"]  # every score from the cache
+    same = run_gate(base, base, **kwargs, cache_dir=None)
+    assert same["verdict"] == PASS and same["same_engine"] and calls[4:] == [("base", "a"), ("base", "b")]
