@@ -148,3 +148,16 @@ def run_gate(
         "candidate": candidate[1],
         "same_engine": candidate[1] == baseline[1],
     }
+
+
+def check_suites(suites: Sequence[str], thresholds: dict[str, Any], known: Sequence[str]) -> None:
+    """A one-line GateError for an unknown suite name or a selected suite without thresholds."""
+    for suite in suites:
+        if suite not in known:
+            raise GateError(f"eval.suites: unknown suite {suite!r}; choose from {', '.join(known)}")
+        if suite not in thresholds:
+            raise GateError(
+                f"eval.thresholds has no entry for suite {suite!r}: add its max_drop and min_recovery"
+            )
+    if not suites:
+        raise GateError("eval.suites is empty: name at least one suite, or set eval=none")

@@ -8,6 +8,7 @@ Pass configs live beside their pass (``passes/*.py``) and register through
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,50 @@ class QualityConfig:
     max_tokens: int = 4096
 
 
+class Scoring(enum.StrEnum):
+    rank = "rank"  # log-likelihood ranking of each item's candidate answers (small models)
+    gen = "gen"  # greedy generation scored against the item's target (models that can do the task)
+
+
+class SuiteSize(enum.StrEnum):
+    quick = "quick"  # ~50 items a suite, for development and CI
+    full = "full"  # sized for power (see evals/stats.py items_needed): the nightly default
+
+
+@dataclass
+class SuiteThresholds:
+    """A suite's gate rule (reasons for the defaults: ``evals/stats.py`` GateThresholds): FAIL when
+    the CI's lower bound of candidate - baseline is below -max_drop, or recovery < min_recovery."""
+
+    max_drop: float = 0.05
+    min_recovery: float = 0.95
+
+
+@dataclass
+class EvalConfig:
+    """The eval gate: the engine vs the baseline (same source, no optimization passes) on the
+    same items of each suite (``evals/suites``), paired. FAIL exits with code 3."""
+
+    enabled: bool = False
+    size: SuiteSize = SuiteSize.quick
+    suites: list[str] = field(default_factory=lambda: ["reasoning", "tool_call", "long_context"])
+    scoring: Scoring = Scoring.rank
+    # Ranking metric: acc (highest summed log-likelihood) or acc_norm (per byte: no bias to short
+    # answers such as the "[]" of tool_call's irrelevance items).
+    rank_metric: str = "acc_norm"
+    thresholds: dict[str, SuiteThresholds] = field(
+        default_factory=lambda: {s: SuiteThresholds() for s in ("reasoning", "tool_call", "long_context")}
+    )
+    # Mean token KL (reference || engine) on the held-out text of the quality record; null: no rule.
+    max_kl: float | None = None
+    # At most this many items a suite (null: all of the size); for trying the gate quickly.
+    limit: int | None = None
+    confidence: float = 0.95
+    resamples: int = 10_000
+    seed: int = 0
+    threads: int = 0  # ONNX Runtime intra-op threads while scoring (0: its default)
+
+
 @dataclass
 class PipelineConfig:
     model: ModelConfig = MISSING
@@ -92,7 +137,7 @@ class PipelineConfig:
     kv_cache: Any = None
     fusion: Any = None
     target: Any = None
-    eval: Any = None
+    eval: EvalConfig = field(default_factory=EvalConfig)
     registry: Any = None
     bench: BenchConfig = MISSING
     quality: QualityConfig = field(default_factory=QualityConfig)
@@ -112,3 +157,4 @@ def register_pipeline_schemas() -> None:
     store.store(name="pipeline_schema", node=PipelineConfig)
     store.store(group="model", name="model_schema", node=ModelConfig)
     store.store(group="bench", name="bench_schema", node=BenchConfig)
+    store.store(group="eval", name="eval_schema", node=EvalConfig)

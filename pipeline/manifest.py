@@ -51,6 +51,7 @@ def build_manifest(
     engine_dir: Path,
     benchmark: dict[str, Any] | None,
     quality: dict[str, Any] | None,
+    gate: dict[str, Any] | None = None,
     started: dt.datetime,
 ) -> dict[str, Any]:
     finished = dt.datetime.now(dt.UTC)
@@ -72,7 +73,7 @@ def build_manifest(
         "host": host_info(),
         "benchmark": benchmark,
         "quality": quality,
-        "gate": {"verdict": "not-run", "reason": "no eval gate configured (eval=none)"},
+        "gate": gate or {"verdict": "not-run", "reason": "no eval gate configured (eval=none)"},
     }
 
 

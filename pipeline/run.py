@@ -26,7 +26,7 @@ from pipeline.artifacts import Artifact, Kind, write_json
 from pipeline.base import Pass
 from pipeline.bench import measure
 from pipeline.cache import Cache, library_versions
-from pipeline.config import BenchConfig, ModelConfig, QualityConfig
+from pipeline.config import BenchConfig, EvalConfig, ModelConfig, QualityConfig
 from pipeline.manager import PassManager, validate
 from pipeline.manifest import build_manifest, write_manifest
 from pipeline.plugins import build_passes
@@ -40,6 +40,10 @@ OPTIMIZATION_GROUPS = ("prune", "distill", "quant", "kv_cache", "fusion")
 
 # (candidate engine folder, reference engine folder or None when identical, config) -> record
 QualityFn = Callable[[Path, Path | None, QualityConfig], dict[str, Any]]
+# (candidate engine, baseline engine, config, token KL of the quality record, cache folder) -> the
+# gate record ({"verdict": "PASS" | "FAIL", "reason": ..., "suites": {...}}); engines as
+# (folder, content digest).
+GateFn = Callable[[Artifact, Artifact, EvalConfig, float | None, Path | None], dict[str, Any]]
 
 
 @dataclass
@@ -79,9 +83,11 @@ def run_pipeline(
     run_dir: Path,
     overrides: list[str] | None = None,
     quality_fn: QualityFn | None = None,
+    gate_fn: GateFn | None = None,
 ) -> RunResult:
-    """Run the recipe. ``quality_fn`` (from the entry point, which may import ``evals``) scores
-    the engine against the reference engine on held-out text."""
+    """Run the recipe. ``quality_fn`` and ``gate_fn`` (from the entry point, which may import
+    ``evals``) score the engine against the reference engine: token agreement on held-out text,
+    and the eval gate's suites."""
     started = dt.datetime.now(dt.UTC)
     run_dir.mkdir(parents=True, exist_ok=True)
     passes = build_passes(cfg)
@@ -104,10 +110,18 @@ def run_pipeline(
     quality_cfg = OmegaConf.to_object(cfg.quality)
     assert isinstance(quality_cfg, QualityConfig)
     quality = None
+    eval_cfg = OmegaConf.to_object(cfg.eval)
+    assert isinstance(eval_cfg, EvalConfig)
+    gate = None
     try:
         engine, records = PassManager(passes, cache).run(source)
         if quality_fn is not None and quality_cfg.enabled:
             quality = _quality(cfg, source, cache, engine, quality_cfg, quality_fn)
+        if gate_fn is not None and eval_cfg.enabled:
+            log.info("gate: the engine vs the reference engine on %s", ", ".join(eval_cfg.suites))
+            reference = _reference(cfg, source, cache)
+            kl = quality["kl_mean"] if quality else None
+            gate = gate_fn(engine, reference, eval_cfg, kl, cache.root if cache.enabled else None)
         if bench_cfg.enabled:  # measured where the engine lies, before anything lands in run_dir
             bench_cache = Path(cfg.pipeline.cache_dir) if cfg.pipeline.cache else None
             benchmark = measure(engine.path, engine.digest, bench_cfg, bench_cache)
@@ -125,6 +139,7 @@ def run_pipeline(
         engine_dir=engine_dir,
         benchmark=benchmark,
         quality=quality,
+        gate=gate,
         started=started,
     )
     return RunResult(run_dir, engine_dir, write_manifest(run_dir, manifest), manifest)
@@ -139,8 +154,7 @@ def _quality(
     quality_fn: QualityFn,
 ) -> dict[str, Any]:
     """Build (or reuse from the cache) the reference engine and score the engine against it."""
-    log.info("quality: reference engine (no optimization passes)")
-    reference, _ = PassManager(reference_passes(cfg), cache).run(source)
+    reference = _reference(cfg, source, cache)
     # Deterministic given both engines and the settings, so kept like a pass output.
     payload = {"engine": engine.digest, "reference": reference.digest, "config": asdict(config)}
     key = hashlib.sha256(json.dumps({**payload, "libs": library_versions()}, sort_keys=True).encode())
@@ -154,3 +168,10 @@ def _quality(
         stored.parent.mkdir(parents=True, exist_ok=True)
         write_json(stored, record)
     return {**record, "cache_hit": False}
+
+
+def _reference(cfg: DictConfig, source: Artifact, cache: Cache) -> Artifact:
+    """The reference engine: this recipe with no optimization passes (built once, then cached)."""
+    log.info("reference engine (no optimization passes)")
+    reference, _ = PassManager(reference_passes(cfg), cache).run(source)
+    return reference

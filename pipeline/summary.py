@@ -83,8 +83,35 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
             f"{quality['top1_agreement']:.2%}",
         )
         console.print(table)
+    if manifest["gate"].get("suites"):
+        console.print(gate_table(manifest["gate"]))
     engine = manifest["engine"]
     size = sum(f["bytes"] for f in engine["files"]) / 2**20
     console.print(f"engine  {run_dir / engine['path']}  ({engine['target']}, {size:.0f} MiB)")
     console.print(f"record  {run_dir / 'manifest.json'}")
     console.print(f"gate    {manifest['gate']['verdict']} ({manifest['gate']['reason']})")
+
+
+def gate_table(gate: dict[str, Any]) -> Table:
+    """One row per suite: scores, difference with its CI, McNemar p-value, recovery, verdict."""
+    settings = gate.get("settings", {})
+    size, scoring = settings.get("size", "?"), settings.get("scoring", "?")
+    title = f"Eval gate ({size} suites, {scoring} scoring): {gate['verdict']}"
+    table = Table(title=title, title_justify="left")
+    columns = ("suite", "items", "baseline", "candidate", "difference [95% CI]", "p (McNemar)", "recovery")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "suite" else "right")
+    table.add_column("verdict")
+    for suite, row in gate["suites"].items():
+        p_value = "-" if row.get("p_value") is None else f"{row['p_value']:.3g}"
+        table.add_row(
+            suite,
+            str(row["n"]),
+            f"{row['baseline_mean']:.1%}",
+            f"{row['candidate_mean']:.1%}",
+            f"{row['difference']:+.1%} [{row['ci_low']:+.1%}, {row['ci_high']:+.1%}]",
+            p_value,
+            f"{row['recovery']:.1%}",
+            row["verdict"],
+        )
+    return table

@@ -114,15 +114,18 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def plan(size: str | int, full: Mapping[str, int], quick: int) -> dict[str, int]:
+def plan(size: str | int, full: Mapping[str, int], quick: int | Mapping[str, int]) -> dict[str, int]:
     """Items per group for a size: ``full`` (the counts given), ``quick`` (the first ``quick``
-    of each group) or an int (split over the groups in proportion to ``full``, largest
+    of each group, or of the groups a mapping names: others get none)
+    or an int (split over the groups in proportion to ``full``, largest
     remainders first, ties in group order)."""
     if isinstance(size, bool) or not isinstance(size, str | int):
         raise SuiteError(f"size {size!r}: use one of {', '.join(SIZES)} or a number of items")
     if size == "full":
         return dict(full)
     if size == "quick":
+        if isinstance(quick, Mapping):
+            return {group: min(quick.get(group, 0), n) for group, n in full.items()}
         return {group: min(quick, n) for group, n in full.items()}
     if isinstance(size, str):
         raise SuiteError(f"unknown size {size!r}: use one of {', '.join(SIZES)} or a number of items")

@@ -28,6 +28,7 @@ from evals.suites.common import (
     Item,
     SuiteError,
     dumps_jsonl,
+    plan,
     read_jsonl,
     sha256_file,
     sha256_text,
@@ -43,7 +44,7 @@ class Suite:
     name: str
     generate: Callable[..., list[Item]]
     full: dict[str, int]  # items per group in ``full``
-    quick: int  # the first ``quick`` items of each group
+    quick: int | dict[str, int]  # the first ``quick`` items of each group (or of the groups named)
     defaults: dict[str, Any]
     compact: bool = False  # prompts rebuilt on load, not stored
 
@@ -112,7 +113,7 @@ def _file_entry(spec: Suite, text: str, items: list[Item]) -> dict[str, Any]:
         "sha256": sha256_text(text),
         "bytes": len(text.encode("utf-8")),
         "items": len(items),
-        "quick_items": sum(min(spec.quick, n) for n in spec.full.values()),
+        "quick_items": sum(plan("quick", spec.full, spec.quick).values()),
         "quick_per_group": spec.quick,
         "categories": categories,
         "params": spec.defaults,
@@ -262,5 +263,12 @@ def load_suite(name: str, size: str = "full", *, data_dir: Path | None = None) -
             )
     records = read_jsonl(path)
     if size == "quick":
-        records = [r for r in records if r.get("meta", {}).get("k", spec.quick) < spec.quick]
+        counts = plan("quick", spec.full, spec.quick)
+        prefix = len(name) + 1  # ids are <suite>-<group>-<k>
+        records = [r for r in records if r["meta"]["k"] < counts.get(_group(r["id"], prefix), 0)]
     return [from_record(record, _show(path)) for record in records]
+
+
+def _group(item_id: str, prefix: int) -> str:
+    """The group of an item id ``<suite>-<group>-<k>`` (``prefix``: the length of ``<suite>-``)."""
+    return item_id[prefix : item_id.rindex("-")]

@@ -80,7 +80,7 @@ def test_sizes(name: str) -> None:
     spec = SPECS[name]
     full, quick = load_suite(name, "full"), load_suite(name, "quick")
     assert len(full) == sum(spec.full.values())
-    assert len(quick) == sum(min(spec.quick, n) for n in spec.full.values())
+    assert len(quick) == sum(plan("quick", spec.full, spec.quick).values())
     assert 40 <= len(quick) <= 60
     by_id = {item.id: item for item in full}
     assert len(by_id) == len(full)
