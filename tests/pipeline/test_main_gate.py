@@ -5,11 +5,15 @@ whose prompts fit their 256 positions)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.pipeline.test_main import QUICK_BENCH, run_pipeline
+from tests.pipeline.test_main import QUICK_BENCH, REPO, run_pipeline
 
 GATE = ["eval=quick", "eval.suites=[reasoning]", "eval.limit=12", "eval.resamples=2000"]
 
@@ -73,3 +77,81 @@ def test_bad_eval_settings_are_one_line(
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(needle), result.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------------------------
+# python -m pipeline.gate: any two engine folders
+
+
+def gate_cli(workdir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline.gate",
+        "--eval",
+        "quick",
+        "--cache-dir",
+        str(workdir / "cache"),
+        *args,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def none_run(tiny_llama: Path, int8_run: tuple[Path, dict]) -> Path:
+    workdir, _ = int8_run
+    result = run_pipeline(tiny_llama, workdir, "none", "bench=none", "quality.enabled=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir / "none"
+
+
+def test_standalone_gate_judges_two_engine_folders(int8_run: tuple[Path, dict], none_run: Path) -> None:
+    workdir, manifest = int8_run
+    sets = ["--set", "suites=[reasoning]", "limit=12", "resamples=2000"]
+    result = gate_cli(
+        workdir, "--baseline", str(none_run / "engine"), "--candidate", str(workdir / "run"), *sets
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Eval gate (quick suites, rank scoring): PASS" in result.stdout and "gate PASS" in result.stdout
+    strict = gate_cli(
+        workdir, "--baseline", str(none_run), "--candidate", str(workdir / "run"), *sets,
+        "thresholds.reasoning.min_recovery=1.5", "--json", str(workdir / "gate.json"),
+    )  # fmt: skip
+    assert strict.returncode == 3 and strict.stderr.strip().splitlines()[-1].startswith(
+        "gate FAIL: reasoning"
+    )
+    record = json.loads((workdir / "gate.json").read_text())
+    assert (
+        record["suites"]["reasoning"]["difference"] == manifest["gate"]["suites"]["reasoning"]["difference"]
+    )
+    assert record["kl"] > 0  # measured here on the held-out text
+
+
+def test_standalone_gate_bad_inputs_are_one_line(int8_run: tuple[Path, dict], none_run: Path) -> None:
+    workdir, _ = int8_run
+    lone = workdir / "lone" / "engine"
+    shutil.copytree(workdir / "run" / "engine", lone)
+    other = workdir / "other"
+    shutil.copytree(none_run, other)
+    tokenizer = other / "engine" / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text() + "\n")  # same tokens, other bytes: still refused
+    cases = {
+        "no manifest.json beside it": ("--baseline", str(none_run), "--candidate", str(lone)),
+        "the candidate's tokenizer.json differs": ("--baseline", str(none_run), "--candidate", str(other)),
+        "unknown suite 'math'": (
+            "--baseline",
+            str(none_run),
+            "--candidate",
+            str(none_run),
+            "--set",
+            "suites=[math]",
+        ),
+    }
+    for needle, args in cases.items():
+        result = gate_cli(workdir, *args)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and needle in lines[0], (
+            needle,
+            result.stderr[-2000:],
+        )
