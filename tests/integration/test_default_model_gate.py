@@ -1,0 +1,35 @@
+"""Integration: ``python -m pipeline model=llama eval=quick`` ends with the gate on the real default
+model, every suite scored through lm-eval (a few items each, to fit CI), and passes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+ITEMS = 6  # a suite: enough to exercise scoring and pairing; eval=quick's own sizes take minutes
+
+
+def test_default_model_gate_quick(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "-m", "pipeline", "model=llama", "quant=none", "bench=none", "eval=quick",
+        f"eval.limit={ITEMS}", f"pipeline.cache_dir={tmp_path / 'cache'}",
+        f"pipeline.models_dir={REPO / 'artifacts' / 'models'}", f"hydra.run.dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    gate = json.loads((tmp_path / "run" / "manifest.json").read_text())["gate"]
+    assert gate["verdict"] == "PASS" and gate["same_engine"]  # quant=none: the engine is its own baseline
+    assert set(gate["suites"]) == {"reasoning", "tool_call", "long_context"}
+    for row in gate["suites"].values():
+        assert row["n"] == ITEMS and row["difference"] == 0 and 0 <= row["baseline_mean"] <= 1
+    assert "Eval gate (quick suites, rank scoring): PASS" in result.stdout
+    cached = list((tmp_path / "cache" / "eval").glob("*.json"))
+    assert len(cached) == 3  # one engine, three suites: scored once each
