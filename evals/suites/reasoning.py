@@ -10,28 +10,36 @@ been memorised. Templates here are written for this project.
 Categories:
 
 - ``arithmetic``: one expression (addition, subtraction, multiplication and division signs,
-  precedence and brackets); number size set by ``digits``.
+  precedence and brackets); number size set by ``digits`` (default one digit).
 - ``word_problem``: 14 two- and three-step templates (shopping, wages, rates, ages, ...), used
   in turn so any first N items cover them all.
-- ``comparison``: a chain of "taller than" facts (who is the tallest / shortest / second), or
-  decimals of different lengths (which is the largest / smallest).
-- ``logic``: modus ponens / tollens, disjunctive syllogism, two categorical syllogisms, and the
-  two classic fallacies (affirming the consequent, denying the antecedent: "Nothing can be
-  concluded."), over nonsense category words so world knowledge does not help.
+- ``comparison``: order on the number line: the number just after / just before a two-digit
+  number (the asks alternate).
+- ``logic``: the truth value of a Boolean expression (not, and, or, two-operator forms); the
+  right value is True for half the items and False for the other half.
 
-Log-likelihood ranking: ``n_choices`` candidates (default 4). Number distractors are the results
-of the usual slips for that template (a step skipped, an addition for a product, the wrong sign, order of
-operations ignored), then near misses; so a guesser stays at chance and copying a number from
-the question rarely wins. Comparison and logic choices are the names or statements themselves,
-listed in the prompt.
+Log-likelihood ranking (tuned on SmolLM2-135M-Instruct, the default model: it ranks bare
+numbers, names or statements at chance, but ranks whole equations by their arithmetic). Every
+choice is a full equation or sentence that repeats the question's expression, so the choices
+differ only in the answer part and a choice is preferred only for its answer:
+
+- ``arithmetic`` / ``word_problem``: ``"<expression> = <value>"``, ``n_choices`` of them (default
+  3). Arithmetic distractors are slips (the result of the wrong operation, order of operations
+  ignored, off by one or ten); word-problem distractors are near misses of the same length. The
+  word problem's expression is its correct computation, so these items measure multi-step
+  arithmetic in context rather than the choice of operations.
+- ``comparison``: ``"The number just after n is m."`` for the right neighbour, the wrong-side
+  neighbour and the number ten away (at most 3 choices).
+- ``logic``: ``"<expression> = True"`` and ``"<expression> = False"`` (2 choices: chance is a
+  half, and a bias toward either value scores exactly a half).
 
 Generative scoring: ``target`` is the answer as text; ``meta["match"]`` is ``number`` (compare
-the last number in the reply) or ``choice`` (the reply names the right choice and no other).
+the last number in the reply: arithmetic, word problems, comparison) or ``choice`` (the reply
+names the right choice and no other: logic).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 from collections.abc import Callable
@@ -44,8 +52,8 @@ from evals.suites.words import PEOPLE, PRONOUNS, THINGS
 NAME = "reasoning"
 FULL = {"arithmetic": 150, "word_problem": 250, "comparison": 100, "logic": 100}
 QUICK = 12  # per category: 48 items
-DEFAULTS: dict[str, Any] = {"n_choices": 4, "digits": 2, "scale": 1}
-MUL, DIV = "\u00d7", "\u00f7"  # the multiplication and division signs of the prompts
+DEFAULTS: dict[str, Any] = {"n_choices": 3, "digits": 1, "scale": 1}
+MUL, DIV = "*", "/"  # the multiplication and division signs of the prompts (ASCII: small models read them)
 
 Vars = dict[str, Any]
 
@@ -56,7 +64,7 @@ class Template:
     text: str
     sample: Callable[[random.Random, int], Vars]
     answer: Callable[[Vars], int]
-    slips: tuple[Callable[[Vars], int], ...]
+    expr: str  # the computation of ``answer``, formatted with the values (the choices' left side)
 
 
 def _people(rng: random.Random, n: int) -> list[tuple[str, str]]:
@@ -141,8 +149,6 @@ def _recipe(r: random.Random, s: int) -> Vars:
     return {"a": _v(r, 2, 9, s), "b": b, "m": m, "c": b * m}
 
 
-# Slips: the results of a common mistake in that template (non-positive or repeated ones are
-# dropped by the choice picker's caller).
 TEMPLATES: tuple[Template, ...] = (
     Template(
         "packs",
@@ -150,12 +156,7 @@ TEMPLATES: tuple[Template, ...] = (
         "{friend}. How many {thing} does {name} have left?",
         _packs,
         lambda v: v["a"] * v["b"] - v["c"],
-        (
-            lambda v: v["a"] * v["b"] + v["c"],
-            lambda v: v["a"] * v["b"],
-            lambda v: v["a"] + v["b"] - v["c"],
-            lambda v: v["a"] * (v["b"] - v["c"]),
-        ),
+        "{a} {mul} {b} - {c}",
     ),
     Template(
         "wages",
@@ -163,12 +164,7 @@ TEMPLATES: tuple[Template, ...] = (
         "many dollars does {name} earn over the two days?",
         _wages,
         lambda v: v["a"] * (v["b"] + v["c"]),
-        (
-            lambda v: v["a"] * v["b"] + v["c"],
-            lambda v: v["a"] * v["b"],
-            lambda v: v["a"] + v["b"] + v["c"],
-            lambda v: v["a"] * v["c"],
-        ),
+        "{a} {mul} ({b} + {c})",
     ),
     Template(
         "spending",
@@ -176,24 +172,14 @@ TEMPLATES: tuple[Template, ...] = (
         "lunch. How many dollars does {name} have now?",
         _spending,
         lambda v: (v["a"] - v["b"]) // 2,
-        (
-            lambda v: v["a"] - v["b"],
-            lambda v: v["a"] // 2 - v["b"],
-            lambda v: (v["a"] - v["b"]) // 2 + v["b"],
-            lambda v: v["a"] - v["b"] // 2,
-        ),
+        "({a} - {b}) {div} 2",
     ),
     Template(
         "machine",
         "A machine fills {a} bottles every minute. How many bottles does it fill in {b} hours?",
         _machine,
         lambda v: v["a"] * v["b"] * 60,
-        (
-            lambda v: v["a"] * v["b"],
-            lambda v: v["a"] * v["b"] * 100,
-            lambda v: v["a"] * 60,
-            lambda v: v["a"] * v["b"] * 30,
-        ),
+        "{a} {mul} 60 {mul} {b}",
     ),
     Template(
         "share",
@@ -201,12 +187,7 @@ TEMPLATES: tuple[Template, ...] = (
         "each friend {c} more {thing}. How many {thing} does each friend have now?",
         _share,
         lambda v: v["q"] + v["c"],
-        (
-            lambda v: v["q"],
-            lambda v: v["q"] + v["c"] * v["b"],
-            lambda v: v["total"] + v["c"],
-            lambda v: v["q"] * v["c"],
-        ),
+        "{total} {div} {b} + {c}",
     ),
     Template(
         "ages",
@@ -214,12 +195,7 @@ TEMPLATES: tuple[Template, ...] = (
         "be in {c} years?",
         _ages,
         lambda v: v["a"] + v["b"] + v["c"],
-        (
-            lambda v: v["a"] + v["b"],
-            lambda v: v["a"] + v["c"],
-            lambda v: v["a"] - v["b"] + v["c"],
-            lambda v: v["a"] + v["b"] - v["c"],
-        ),
+        "{a} + {b} + {c}",
     ),
     Template(
         "rows",
@@ -227,24 +203,14 @@ TEMPLATES: tuple[Template, ...] = (
         "size. How many plants are in the garden now?",
         _rows,
         lambda v: (v["a"] + v["c"]) * v["b"],
-        (
-            lambda v: v["a"] * v["b"] + v["c"],
-            lambda v: v["a"] * v["b"],
-            lambda v: v["a"] + v["b"] + v["c"],
-            lambda v: v["a"] * v["b"] * v["c"],
-        ),
+        "({a} + {c}) {mul} {b}",
     ),
     Template(
         "discount",
         "A jacket costs ${a}. In a sale, its price is cut by {p}%. What is the sale price in dollars?",
         _discount,
         lambda v: v["a"] - v["a"] * v["p"] // 100,
-        (
-            lambda v: v["a"] * v["p"] // 100,
-            lambda v: v["a"] - v["p"],
-            lambda v: v["a"] + v["a"] * v["p"] // 100,
-            lambda v: v["a"] - v["a"] * v["p"] // 1000,
-        ),
+        "{a} - {a} {mul} {p} {div} 100",
     ),
     Template(
         "three",
@@ -252,24 +218,14 @@ TEMPLATES: tuple[Template, ...] = (
         "fewer marbles than {friend}. How many marbles do the three of them have together?",
         _three,
         lambda v: v["a"] + 2 * v["a"] * v["b"] - v["c"],
-        (
-            lambda v: v["a"] + v["a"] * v["b"],
-            lambda v: v["a"] + 2 * v["a"] * v["b"] + v["c"],
-            lambda v: v["a"] + v["a"] * v["b"] - v["c"],
-            lambda v: v["a"] + v["a"] + v["b"] + v["a"] + v["b"] - v["c"],
-        ),
+        "{a} + {a} {mul} {b} + {a} {mul} {b} - {c}",
     ),
     Template(
         "reading",
         "A book has {total} pages. {name} reads {a} pages every day. How many pages are left after {d} days?",
         _reading,
         lambda v: v["total"] - v["a"] * v["d"],
-        (
-            lambda v: v["total"] - v["a"] - v["d"],
-            lambda v: v["a"] * v["d"],
-            lambda v: v["total"] - v["a"] * (v["d"] - 1),
-            lambda v: v["total"] - v["a"],
-        ),
+        "{total} - {a} {mul} {d}",
     ),
     Template(
         "bus",
@@ -278,12 +234,7 @@ TEMPLATES: tuple[Template, ...] = (
         "now?",
         _bus,
         lambda v: v["a"] - v["b"] + v["c"] - v["d"],
-        (
-            lambda v: v["a"] - v["b"] - v["c"] - v["d"],
-            lambda v: v["a"] + v["b"] + v["c"] - v["d"],
-            lambda v: v["a"] - v["b"] + v["c"],
-            lambda v: v["a"] - v["b"] + v["c"] + v["d"],
-        ),
+        "{a} - {b} + {c} - {d}",
     ),
     Template(
         "boxes",
@@ -291,12 +242,7 @@ TEMPLATES: tuple[Template, ...] = (
         "need to pack all of them?",
         _boxes,
         lambda v: -(-v["a"] // v["b"]),
-        (
-            lambda v: v["a"] // v["b"],
-            lambda v: -(-v["a"] // v["b"]) + 1,
-            lambda v: v["a"] - v["b"],
-            lambda v: v["a"] % v["b"],
-        ),
+        "{a} {div} {b} rounded up",
     ),
     Template(
         "running",
@@ -304,12 +250,7 @@ TEMPLATES: tuple[Template, ...] = (
         "weekend. How many kilometres does {he} run in one week?",
         _running,
         lambda v: 5 * v["a"] + 2 * v["b"],
-        (
-            lambda v: v["a"] + v["b"],
-            lambda v: 7 * v["a"] + 2 * v["b"],
-            lambda v: 5 * v["a"] + v["b"],
-            lambda v: 7 * (v["a"] + v["b"]),
-        ),
+        "5 {mul} {a} + 2 {mul} {b}",
     ),
     Template(
         "recipe",
@@ -317,12 +258,7 @@ TEMPLATES: tuple[Template, ...] = (
         "make {c} muffins?",
         _recipe,
         lambda v: v["a"] * v["m"],
-        (
-            lambda v: v["a"] * v["c"],
-            lambda v: v["a"] + v["m"],
-            lambda v: v["a"] * v["b"],
-            lambda v: v["c"] // v["a"] if v["c"] // v["a"] else v["m"] + 1,
-        ),
+        "{a} {mul} {c} {div} {b}",
     ),
 )
 
@@ -339,12 +275,16 @@ def _near(rng: random.Random, value: int) -> list[int]:
 
 
 def _number_choices(
-    rng: random.Random, answer: int, slips: list[int], n: int
+    rng: random.Random, expr: str, answer: int, slips: list[int], n: int
 ) -> tuple[list[str], int, list[str]]:
+    """Choices ``"<expr> = <value>"``: the model ranks whole equations, so the choice it prefers
+    is the result it computes for ``expr`` (ranking bare numbers mostly measures each number's
+    prior, and SmolLM2-135M then scores at chance). Values: ``slips`` (results of another
+    operation) in random order, then near misses of the same length."""
     rng.shuffle(slips)
-    candidates = [(str(x), "slip") for x in slips if x > 0 and x != answer]
-    candidates += [(str(x), "near") for x in _near(rng, answer)]
-    return pick_choices(rng, str(answer), candidates, n)
+    candidates = [(f"{expr} = {x}", "slip") for x in slips if x > 0 and x != answer]
+    candidates += [(f"{expr} = {x}", "near") for x in _near(rng, answer)]
+    return pick_choices(rng, f"{expr} = {answer}", candidates, n)
 
 
 def _word_problem(rng: random.Random, k: int, params: Vars) -> tuple[str, Vars, str, list[str], int]:
@@ -362,10 +302,12 @@ def _word_problem(rng: random.Random, k: int, params: Vars) -> tuple[str, Vars, 
         **values,
     )
     answer = template.answer(values)
-    slips = [f(values) for f in template.slips]
-    choices, index, kinds = _number_choices(rng, answer, slips, params["n_choices"])
+    expr = template.expr.format(mul=MUL, div=DIV, **values)
+    # Near misses only: the wrong readings of a template (a step skipped, ...) give partial results
+    # that a small model prefers to any full computation (measured below chance).
+    choices, index, kinds = _number_choices(rng, expr, answer, [], params["n_choices"])
     meta = {"template": template.name, "values": values, "choice_kinds": kinds, "match": "number"}
-    return f"{text} Answer with a number.", meta, str(answer), choices, index
+    return f"{text} Answer with the equation.", meta, str(answer), choices, index
 
 
 def _operand(rng: random.Random, digits: int) -> int:
@@ -399,135 +341,67 @@ def _arithmetic(rng: random.Random, k: int, params: Vars) -> tuple[str, Vars, st
             slips = [a * (c + b), a * c - b, a + c + b, a * c]
         else:
             slips = [a * (c - b), a * c + b, a * c, a + c - b]
-    choices, index, kinds = _number_choices(rng, answer, slips, params["n_choices"])
+    choices, index, kinds = _number_choices(rng, expr, answer, slips, params["n_choices"])
     meta = {"template": form, "choice_kinds": kinds, "match": "number"}
-    return f"What is {expr}? Answer with a number.", meta, str(answer), choices, index
+    return f"What is {expr}? Answer with the equation.", meta, str(answer), choices, index
 
 
-RELATIONS = (  # (attribute, more, less, most, least)
-    ("height", "taller", "shorter", "tallest", "shortest"),
-    ("age", "older", "younger", "oldest", "youngest"),
-    ("speed", "faster", "slower", "fastest", "slowest"),
-    ("weight", "heavier", "lighter", "heaviest", "lightest"),
-)
-
-
-def _listing(choices: list[str]) -> str:
-    return "\n".join(f"- {c}" for c in choices)
+COMPARISON_FORMS = ("after", "before")
 
 
 def _comparison(rng: random.Random, k: int, params: Vars) -> tuple[str, Vars, str, list[str], int]:
-    n = params["n_choices"]
-    if k % 2 == 0:
-        _, more, less, most, least = RELATIONS[(k // 2) % len(RELATIONS)]
-        people = [p for p, _ in _people(rng, max(4, n))]  # ordered from most to least
-        facts = []
-        for upper, lower in itertools.pairwise(people):
-            facts.append(
-                f"{upper} is {more} than {lower}."
-                if rng.random() < 0.5
-                else f"{lower} is {less} than {upper}."
-            )
-        rng.shuffle(facts)
-        ask = rng.choice(["most", "least", "second"])
-        if ask == "most":
-            question, answer = f"Who is the {most}?", people[0]
-        elif ask == "least":
-            question, answer = f"Who is the {least}?", people[-1]
-        else:
-            question, answer = f"Who is the second {most}?", people[1]
-        others = [(p, "other_person") for p in people if p != answer]
-        rng.shuffle(others)
-        choices, index, kinds = pick_choices(rng, answer, others, n)
-        prompt = f"{' '.join(facts)} {question}\n{_listing(choices)}\nAnswer with the name only."
-        meta = {"template": f"order_{ask}", "choice_kinds": kinds, "match": "choice"}
-        return prompt, meta, answer, choices, index
-    whole = rng.randint(0, 9)
-    # Decimals whose length misleads: 0.5 > 0.45 > 0.405 > 0.054 for digits 5, 4 ...
-    d1, d2, d3 = rng.sample(range(1, 10), 3)
-    values = {
-        f"{whole}.{d1}",
-        f"{whole}.{d2}{d1}",
-        f"{whole}.{d2}0{d1}",
-        f"{whole}.0{d1}{d2}",
-        f"{whole}.{d3}{d3}",
-        f"{whole}.{d1}{d3}{d2}",
-    }
-    pool = sorted(values, key=lambda v: (float(v), v))
-    rng.shuffle(pool)
-    shown = sorted(pool[: max(n, 4)], key=float)
-    largest = rng.random() < 0.5
-    answer = shown[-1] if largest else shown[0]
-    others = [(v, "other_number") for v in shown if v != answer]
-    rng.shuffle(others)
-    choices, index, kinds = pick_choices(rng, answer, others, n)
-    word = "largest" if largest else "smallest"
-    prompt = f"Which number is the {word}?\n{_listing(choices)}\nAnswer with the number only."
-    meta = {"template": f"decimal_{word}", "choice_kinds": kinds, "match": "choice"}
-    return prompt, meta, answer, choices, index
+    """Order on the number line: the number just after or just before ``n`` (the two asks
+    alternate, so a preference for the larger or the smaller number scores at most a half on
+    each). The distractors are the neighbour on the wrong side (a comparison error) and the
+    number ten away on the right side (a step error); every choice is the same sentence, only
+    the last number differs."""
+    ask = COMPARISON_FORMS[k % 2]
+    n = rng.randint(11, 98)
+    step = 1 if ask == "after" else -1
+    answer = n + step
+    wrong = [(n - step, "wrong_side"), (n + 10 * step, "wrong_step")]
+    line = f"The number just {ask} {n} is {{}}."
+    choices, index, kinds = pick_choices(
+        rng, line.format(answer), [(line.format(x), kind) for x, kind in wrong], min(params["n_choices"], 3)
+    )
+    prompt = f"Which number comes just {ask} {n}? Answer with a sentence."
+    meta = {"template": ask, "choice_kinds": kinds, "match": "number"}
+    return prompt, meta, str(answer), choices, index
 
 
-NONSENSE = (
-    "blickets", "wugs", "daxes", "feps", "zorbs", "glims", "tovs", "plinks", "snarps", "vorks",
-    "quibs", "mibbles", "trelks", "yoffs", "gorps", "fendles",
-)  # fmt: skip
-FACTS = (  # (fact, its negation)
-    ("the red lamp is on", "the red lamp is off"),
-    ("the blue door is open", "the blue door is closed"),
-    ("the bell rings", "the bell does not ring"),
-    ("the fan is running", "the fan is not running"),
-    ("the gate is locked", "the gate is unlocked"),
-    ("the green flag is up", "the green flag is down"),
-    ("the kettle is hot", "the kettle is cold"),
-    ("the tap is dripping", "the tap is not dripping"),
-    ("the screen is lit", "the screen is dark"),
-    ("the window is shut", "the window is open"),
-)
-NOTHING = "Nothing can be concluded."
-LOGIC_FORMS = (
-    "modus_ponens",
-    "modus_tollens",
-    "disjunctive",
-    "barbara",
-    "celarent",
-    "affirming_consequent",
-    "denying_antecedent",
-)
+LOGIC_FORMS = ("not", "and", "or", "and_not", "or_and", "not_or")
 
 
-def _cap(text: str) -> str:
-    return text[0].upper() + text[1:] + "."
+def _bool(value: bool) -> str:
+    return "True" if value else "False"
 
 
 def _logic(rng: random.Random, k: int, params: Vars) -> tuple[str, Vars, str, list[str], int]:
-    form = LOGIC_FORMS[k % len(LOGIC_FORMS)]
-    if form in ("barbara", "celarent"):
-        a, b, c = rng.sample(NONSENSE, 3)
-        if form == "barbara":
-            premises = f"All {a} are {b}. All {b} are {c}."
-            answer = f"All {a} are {c}."
-            wrong = [f"All {c} are {a}.", f"No {a} are {c}.", f"All {b} are {a}.", f"No {b} are {c}."]
-        else:
-            premises = f"All {a} are {b}. No {b} are {c}."
-            answer = f"No {a} are {c}."
-            wrong = [f"All {a} are {c}.", f"All {c} are {a}.", f"All {c} are {b}.", f"No {a} are {b}."]
-    else:
-        (p, not_p), (q, not_q) = rng.sample(FACTS, 2)
-        if_pq = f"If {p}, then {q}."
-        premises, answer, wrong = {
-            "modus_ponens": (f"{if_pq} {_cap(p)}", _cap(q), [_cap(not_q), _cap(not_p), NOTHING]),
-            "modus_tollens": (f"{if_pq} {_cap(not_q)}", _cap(not_p), [_cap(p), _cap(q), NOTHING]),
-            "disjunctive": (f"Either {p} or {q}. {_cap(not_p)}", _cap(q), [_cap(not_q), _cap(p), NOTHING]),
-            "affirming_consequent": (f"{if_pq} {_cap(q)}", NOTHING, [_cap(p), _cap(not_p), _cap(not_q)]),
-            "denying_antecedent": (f"{if_pq} {_cap(not_p)}", NOTHING, [_cap(not_q), _cap(q), _cap(p)]),
+    """The value of a Boolean expression; True for even ``k``, False for odd, so always
+    answering one value scores a half."""
+    form = LOGIC_FORMS[(k // 2) % len(LOGIC_FORMS)]
+    want = k % 2 == 0
+    while True:
+        x, y, z = (rng.random() < 0.5 for _ in range(3))
+        X, Y, Z = _bool(x), _bool(y), _bool(z)
+        expr, value = {
+            "not": (f"not {X}", not x),
+            "and": (f"{X} and {Y}", x and y),
+            "or": (f"{X} or {Y}", x or y),
+            "and_not": (f"{X} and not {Y}", x and not y),
+            "or_and": (f"({X} or {Y}) and {Z}", (x or y) and z),
+            "not_or": (f"not ({X} or {Y})", not (x or y)),
         }[form]
-    distractors = [(w, "invalid") for w in wrong]
-    rng.shuffle(distractors)
-    choices, index, kinds = pick_choices(rng, answer, distractors, params["n_choices"])
-    question = "Which of these statements must be true?"
-    prompt = f"{premises} {question}\n{_listing(choices)}\nAnswer with the statement only."
+        if value == want:
+            break
+    choices = [(f"{expr} = {_bool(v)}", "correct" if v == want else "negation") for v in (True, False)]
+    rng.shuffle(choices)
+    texts = [t for t, _ in choices]
+    kinds = [kind for _, kind in choices]
+    prompt = f"What is the value of {expr}? Answer with the equation."
     meta = {"template": form, "choice_kinds": kinds, "match": "choice"}
-    return prompt, meta, answer, choices, index
+    index = kinds.index("correct")
+    return prompt, meta, texts[index], texts, index
 
 
 MAKERS = {
@@ -539,15 +413,16 @@ MAKERS = {
 
 
 def generate(size: str | int = "full", seed: int = SEED, **params: Any) -> list[Item]:
-    """Items of the suite. ``params`` (difficulty): ``n_choices`` (candidates per item, 4),
-    ``digits`` (operand digits in ``arithmetic``, 2), ``scale`` (multiplies the upper bound of
+    """Items of the suite. ``params`` (difficulty): ``n_choices`` (candidates per arithmetic and
+    word-problem item, 3; comparison uses at most 3, logic always 2), ``digits`` (operand digits
+    in ``arithmetic``, 1), ``scale`` (multiplies the upper bound of
     the numbers in word problems, 1)."""
     unknown = sorted(set(params) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"unknown reasoning parameters {unknown}: use {sorted(DEFAULTS)}")
     settings = {**DEFAULTS, **params}
-    if settings["n_choices"] > 4:
-        raise ValueError("reasoning: n_choices is at most 4 (logic and comparison have 4 candidates)")
+    if not 2 <= settings["n_choices"] <= 4:
+        raise ValueError("reasoning: n_choices is 2 to 4 (comparison has at most 3 candidates, logic 2)")
     items = []
     for category, count in plan(size, FULL, QUICK).items():
         for k in range(count):
