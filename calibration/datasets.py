@@ -32,6 +32,14 @@ class CalibrationConfig:
     seed: int = 0
 
 
+def as_calibration(value: Any) -> CalibrationConfig:
+    """A CalibrationConfig from itself, a mapping (Hydra's instantiate hands nested configs over
+    as dicts) or None (the defaults)."""
+    if isinstance(value, CalibrationConfig):
+        return value
+    return CalibrationConfig(**dict(value or {}))
+
+
 @cache
 def calibration_text(name: str) -> str:
     if name not in DATASETS:

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, token_windows
+from calibration.datasets import CalibrationConfig, as_calibration, token_windows
 from calibration.observers import DEFAULT_BINS, FP8_E4M3, Observer, TensorStats, channel_amax, compute_amax
 from passes.selection import check_patterns, select_modules
 from passes.sensitivity import FallbackSettings, WeightFormat, sensitivity_pass
@@ -97,8 +97,7 @@ class Fp8Config(FallbackSettings):
     min_top1_agreement: float = 0.5
 
     def __post_init__(self) -> None:  # Hydra's instantiate hands nested configs over as dicts
-        if isinstance(self.calibration, dict):
-            self.calibration = CalibrationConfig(**self.calibration)
+        self.calibration = as_calibration(self.calibration)
 
 
 register_pass("quant", "fp8", Fp8Config)
@@ -179,8 +178,7 @@ class CalibrateConfig:
     recipe: str = "quant=fp8"
 
     def __post_init__(self) -> None:
-        if isinstance(self.calibration, dict):
-            self.calibration = CalibrationConfig(**self.calibration)
+        self.calibration = as_calibration(self.calibration)
 
 
 class CalibratePass(Pass):

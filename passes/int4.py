@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig
+from calibration.datasets import CalibrationConfig, as_calibration
 from passes.export import EXTRAS_DIR  # export copies extras/ into the graph artifact
 from passes.selection import select_modules
 from passes.sensitivity import FallbackSettings
@@ -67,12 +67,6 @@ class Lowering(enum.StrEnum):
 # --------------------------------------------------------------------------------------------
 # Configs. Users type a flat recipe (quant.group_size=64 quant.exclude=[lm_head]); each pass of
 # the recipe gets its own subset as constructor kwargs.
-
-
-def _calibration(value: Any) -> CalibrationConfig:
-    if isinstance(value, CalibrationConfig):
-        return value
-    return CalibrationConfig(**dict(value or {}))
 
 
 @dataclass
@@ -420,7 +414,7 @@ class TorchInt4Config(Int4Settings):
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
     def __post_init__(self) -> None:
-        self.calibration = _calibration(self.calibration)
+        self.calibration = as_calibration(self.calibration)
         validate_settings(self)
 
 
@@ -519,7 +513,7 @@ class Int4RecipeConfig(Int4Settings, Int4LoweringSettings, FallbackSettings):
 
     def __post_init__(self) -> None:
         # No validation here: Hydra wraps constructor errors; Recipe.passes() raises them plainly.
-        self.calibration = _calibration(self.calibration)
+        self.calibration = as_calibration(self.calibration)
 
 
 def _subset(config: Any, target: type) -> dict[str, Any]:

@@ -60,12 +60,11 @@ from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig
+from calibration.datasets import CalibrationConfig, as_calibration
 from passes.selection import check_patterns, matches, select_modules
 from passes.sensitivity import FallbackSettings, WeightFormat, sensitivity_pass
 from passes.smoothquant import (
     SmoothQuantPass,
-    as_calibration,
     read_activations,
     validate,
 )

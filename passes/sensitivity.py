@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig
+from calibration.datasets import CalibrationConfig, as_calibration
 from calibration.sensitivity import FallbackResult, LayerQuantizer, SensitivityProbe
 from passes.selection import FALLBACK_FILE, select_modules
 from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, write_json, write_metadata
@@ -118,8 +118,7 @@ class SensitivityPassConfig:
     max_fallback_layers: int = 16
 
     def __post_init__(self) -> None:
-        if isinstance(self.calibration, dict):
-            self.calibration = CalibrationConfig(**self.calibration)
+        self.calibration = as_calibration(self.calibration)
         self.sensitivity = as_sensitivity(self.sensitivity)
         self.weight, self.fallback = WeightFormat(self.weight), Fallback(self.fallback)
 

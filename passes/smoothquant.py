@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, token_windows
+from calibration.datasets import CalibrationConfig, as_calibration, token_windows
 from passes.selection import check_patterns, matches
 from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, write_json, write_metadata
 from pipeline.base import Pass
@@ -61,12 +61,6 @@ FORMAT_VERSION = 1
 MIN_SCALE = 1e-5  # the reference implementation's clamp of weight maxima and smoothing scales
 # Files save_pretrained rewrites; the rest of the source folder (tokenizer, templates) is copied.
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
-
-
-def as_calibration(value: Any) -> CalibrationConfig:
-    if isinstance(value, CalibrationConfig):
-        return value
-    return CalibrationConfig(**dict(value or {}))
 
 
 @dataclass
