@@ -72,7 +72,7 @@ def genai_config(metadata: dict[str, Any], max_length: int, threads: int) -> dic
                 "inputs": {
                     "input_ids": "input_ids",
                     "attention_mask": "attention_mask",
-                    "position_ids": "position_ids",
+                    **({"position_ids": "position_ids"} if io.get("has_position_ids", True) else {}),
                     "past_key_names": "past_key_values.%d.key",
                     "past_value_names": "past_key_values.%d.value",
                 },
@@ -153,7 +153,8 @@ class OrtCpuBuildPass(Pass):
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
         engine = Engine(result.path)
         session = engine.model.session
-        expected_in = {"input_ids", "attention_mask", "position_ids", *engine.io.past_names()}
+        positions = {"position_ids"} if engine.io.has_position_ids else set()
+        expected_in = {"input_ids", "attention_mask", *positions, *engine.io.past_names()}
         expected_out = {"logits", *engine.io.present_names()}
         actual_in = {i.name for i in session.get_inputs()}
         actual_out = {o.name for o in session.get_outputs()}

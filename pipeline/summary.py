@@ -27,9 +27,12 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
         if parity:
             agreement, diff = parity["top1_agreement"], parity["max_abs_diff"]
             notes = f"ORT vs torch: top-1 {agreement:.0%}, max |Δlogit| {diff:.1e}"
-        elif vs_input := record["metrics"].get("vs_input"):
+        elif vs_input := record["metrics"].get("vs_input") or record["metrics"].get("parity_vs_input_graph"):
             agreement, diff = vs_input["top1_agreement"], vs_input["max_abs_diff"]
             notes = f"vs input graph: top-1 {agreement:.0%}, max |Δlogit| {diff:.1e}"
+        if rewrites := record["metrics"].get("rewrites"):  # fusion: sites per rule family
+            sites = ", ".join(f"{family} x{count}" for family, count in rewrites.items())
+            notes = f"{sites}; {notes}" if notes else sites
         passes.add_row(
             str(index),
             record["name"],

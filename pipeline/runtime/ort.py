@@ -35,6 +35,9 @@ class IOSpec:
     vocab_size: int
     kv_dtype: str = "float32"
     has_position_ids: bool = True
+    # False once attention is fused into a kernel that masks causally from sequence lengths only
+    # (GroupQueryAttention): such a graph takes right padding, not left-padded batches.
+    left_padding: bool = True
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> IOSpec:
@@ -176,14 +179,49 @@ class Engine:
                 f"a {longest}-token prompt plus {config.max_new_tokens} new tokens exceeds this engine's "
                 f"max_length {self.max_length}: shorten the prompt or lower max_new_tokens"
             )
-        return generate(
-            self.model,
-            prompts,
-            config,
-            pad_id=self.pad_token_id,
-            eos_ids=self.eos_token_ids,
-            on_tokens=on_tokens,
-        )
+        if self.io.left_padding or len({len(p) for p in prompts}) <= 1:
+            return generate(
+                self.model,
+                prompts,
+                config,
+                pad_id=self.pad_token_id,
+                eos_ids=self.eos_token_ids,
+                on_tokens=on_tokens,
+            )
+        return self._generate_one_by_one(prompts, config, on_tokens)
+
+    def _generate_one_by_one(
+        self,
+        prompts: Sequence[Sequence[int]],
+        config: GenerationConfig,
+        on_tokens: Callable[[np.ndarray], None] | None,
+    ) -> GenerationResult:
+        """Prompts of unequal length on a graph that takes no left padding: each row alone.
+
+        ``on_tokens`` still sees one array per step with a slot per prompt (-1 for the others).
+        """
+        tokens: list[list[int]] = []
+        prefill, steps = 0.0, []
+        for row, prompt in enumerate(prompts):
+
+            def row_tokens(step_tokens: np.ndarray, row: int = row) -> None:
+                if on_tokens is not None:
+                    full = np.full(len(prompts), -1, dtype=np.int64)
+                    full[row] = step_tokens[0]
+                    on_tokens(full)
+
+            result = generate(
+                self.model,
+                [prompt],
+                config,
+                pad_id=self.pad_token_id,
+                eos_ids=self.eos_token_ids,
+                on_tokens=row_tokens,
+            )
+            tokens.extend(result.tokens)
+            prefill += result.prefill_seconds
+            steps.extend(result.step_seconds)
+        return GenerationResult(tokens, prefill, steps)
 
     def generate(
         self,

@@ -1,0 +1,228 @@
+"""Attention rule: grouped-query attention with rotary Q/K, KV-cache concat, K/V head repeat,
+scaled softmax and the output transpose becomes one ``com.microsoft.GroupQueryAttention``
+(rotary inside: ``do_rotary=1``; the cache is appended inside the kernel).
+
+Algorithm: Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer Models from
+Multi-Head Checkpoints". Spec: ONNX Runtime contrib op ``GroupQueryAttention``
+(``docs/ContribOperators.md``): query [B, S, H*D], key/value [B, S, Hkv*D], past/present
+[B, Hkv, T, D], ``seqlens_k`` = valid tokens - 1 per row (int32), ``total_sequence_length``
+(int32 scalar), cos/sin caches [max_positions, D/2]. It runs after the rotary rule, whose
+``RotaryEmbedding`` nodes and caches it absorbs.
+GroupQueryAttention masks causally from ``seqlens_k`` alone: it supports right padding, not the
+left padding of a batched prompt, which is why a fused engine records ``left_padding: false``
+(``pipeline.runtime`` then runs prompts of unequal length one by one).
+onnxscript's ``ort_fusions.gqa`` matches the dynamo exporter's SDPA and transformers' mask
+construction; the TorchScript export traces eager attention, hence this rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from passes.fusion.common import constant_scalar
+
+BHSD = [0, 2, 1, 3]
+
+
+def _repeat_heads(op: Any, cache: Any) -> Any:
+    """transformers' ``repeat_kv``: absent when every query head has its own KV head."""
+    repeated = op.Reshape(op.Expand(op.Unsqueeze(cache, [2]), pattern.ANY_VALUE), pattern.ANY_VALUE)
+    return pattern.OrValue([repeated, cache])
+
+
+class GroupQueryAttention(pattern.RewriteRuleClassBase):
+    def __init__(
+        self, name: str, attention_mask: ir.Value, heads: tuple[int, int], divide: bool, window: int = -1
+    ) -> None:
+        super().__init__(name, remove_nodes=False)
+        self._attention_mask = attention_mask
+        self._num_heads, self._kv_heads = heads
+        self._divide = divide
+        self._window = window
+
+    def pattern(
+        self,
+        op: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        past_key: Any,
+        past_value: Any,
+        position_ids: Any,
+        cos_cache: Any,
+        sin_cache: Any,
+        scale: Any,
+        mask: Any,
+    ) -> Any:
+        def heads(x: Any, name: str) -> Any:
+            return op.Transpose(op.Reshape(x, pattern.ANY_VALUE), perm=BHSD, _outputs=[name])
+
+        def rope(x: Any) -> Any:
+            return op.RotaryEmbedding(
+                x, position_ids, cos_cache, sin_cache, interleaved=0, _domain="com.microsoft"
+            )
+
+        query_heads = rope(heads(query, "query_heads"))
+        present_key = op.Concat(past_key, rope(heads(key, "key_heads")), axis=-2)
+        present_value = op.Concat(past_value, heads(value, "value_heads"), axis=-2)
+        keys = op.Transpose(_repeat_heads(op, present_key), perm=[0, 1, 3, 2])
+        scores = op.MatMul(query_heads, keys)
+        scores = op.Div(scores, scale) if self._divide else op.Mul(scores, scale)
+        probs = op.Softmax(op.Add(scores, mask), axis=-1)
+        context = op.MatMul(probs, _repeat_heads(op, present_value))
+        return op.Reshape(op.Transpose(context, perm=BHSD), pattern.ANY_VALUE)
+
+    def check(
+        self,
+        context: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        query_heads: Any,
+        scale: Any,
+        mask: Any,
+        **_: Any,
+    ) -> Any:
+        result = pattern.MatchResult()
+        graph = context.graph_or_function
+        if self._attention_mask not in _graph_inputs_above(mask, graph):
+            return result.fail("the attention mask does not come from attention_mask", mask)
+        factor = constant_scalar(scale)
+        if not isinstance(factor, float | int) or factor == 0:
+            return result.fail("the score scale is not a constant", scale)
+        # Head counts come from the model config; where shape inference knows the projection
+        # widths (not through contrib ops such as MatMulNBits) they must agree with it.
+        head_dim = _last_dim(query_heads)
+        if head_dim is not None:
+            expected = (self._num_heads * head_dim, self._kv_heads * head_dim, self._kv_heads * head_dim)
+            for projection, width in zip((query, key, value), expected, strict=True):
+                if _last_dim(projection) not in (None, width):
+                    return result.fail("projection width disagrees with the config's head counts", projection)
+        self._scale = 1.0 / factor if self._divide else float(factor)
+        return result
+
+    def rewrite(
+        self,
+        op: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        past_key: Any,
+        past_value: Any,
+        cos_cache: Any,
+        sin_cache: Any,
+        **_: Any,
+    ) -> Any:
+        mask = self._attention_mask
+        valid = op.ReduceSum(mask, op.Constant(value_ints=[1]), keepdims=0)
+        seqlens_k = op.Cast(op.Sub(valid, op.Constant(value_int=1)), to=ir.DataType.INT32)
+        total = op.Gather(op.Shape(mask), op.Constant(value_int=1), axis=0)
+        total_length = op.Cast(total, to=ir.DataType.INT32)
+        attended, _present_key, _present_value = op.GroupQueryAttention(
+            query,
+            key,
+            value,
+            past_key,
+            past_value,
+            seqlens_k,
+            total_length,
+            cos_cache,
+            sin_cache,
+            num_heads=self._num_heads,
+            kv_num_heads=self._kv_heads,
+            scale=self._scale,
+            do_rotary=1,
+            rotary_interleaved=0,
+            local_window_size=self._window,
+            _domain="com.microsoft",
+            _outputs=3,
+        )
+        return attended
+
+
+def _last_dim(value: ir.Value) -> int | None:
+    if value.shape is None or value.shape.rank() < 1 or not isinstance(value.shape[-1], int):
+        return None
+    return value.shape[-1]
+
+
+def _graph_inputs_above(value: ir.Value, graph: Any, limit: int = 400) -> list[ir.Value]:
+    """Graph inputs among the ancestors of ``value`` (constants and initializers excluded)."""
+    inputs, seen, stack = [], set(), [value]
+    while stack and len(seen) < limit:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if current in graph.inputs:
+            inputs.append(current)
+        producer = current.producer()
+        if producer is not None:
+            stack.extend(v for v in producer.inputs if v is not None)
+    return inputs
+
+
+def reroute_cache_outputs(graph: ir.Graph) -> int:
+    """Point each layer's ``present.*`` at its GroupQueryAttention's cache outputs.
+
+    The rule matches from the attention output alone: a pattern with three output nodes makes
+    onnxscript's matcher try every combination of candidate nodes (minutes on a 30-layer graph).
+    The replaced ``Concat(past, new)`` nodes are then unused and removed with the other dead nodes.
+    """
+    rerouted = 0
+    for node in list(graph):
+        if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
+            continue
+        for past_slot, new_slot, present_slot in ((3, 1, 1), (4, 2, 2)):
+            past, fresh = node.inputs[past_slot], node.inputs[new_slot]
+            for user, _ in list(past.uses()):
+                if user is node or user.op_type != "Concat" or not _appends(user, past, fresh):
+                    continue
+                _replace_value(graph, user.outputs[0], node.outputs[present_slot])
+                rerouted += 1
+    return rerouted
+
+
+def _appends(concat: ir.Node, past: ir.Value, fresh: ir.Value) -> bool:
+    """``concat`` is ``Concat(past, heads(fresh) [rotated], axis=-2)`` for this layer's new K or V."""
+    if concat.attributes.get_int("axis", 0) != -2 or len(concat.inputs) != 2 or concat.inputs[0] is not past:
+        return False
+    value = concat.inputs[1]
+    for expected in ("RotaryEmbedding", "Transpose", "Reshape"):
+        producer = value.producer() if value is not None else None
+        if producer is None:
+            return False
+        if producer.op_type != expected:
+            if expected == "RotaryEmbedding":
+                continue  # values are not rotated
+            return False
+        value = producer.inputs[0]
+    return value is fresh
+
+
+def _replace_value(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
+    """Replace every use of ``old`` by ``new``; a graph output keeps its name."""
+    name, was_output = old.name, old.is_graph_output()
+    ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+    if was_output:
+        old.name = f"{name}__replaced"
+        new.name = name
+
+
+def attention_rules(
+    attention_mask: ir.Value, num_heads: int, num_kv_heads: int, window: int = -1
+) -> pattern.RewriteRuleSet:
+    heads = (num_heads, num_kv_heads)
+    return pattern.RewriteRuleSet(
+        [
+            GroupQueryAttention.rule(
+                "GroupQueryAttention", attention_mask, heads, divide=False, window=window
+            ),
+            GroupQueryAttention.rule(
+                "GroupQueryAttentionDiv", attention_mask, heads, divide=True, window=window
+            ),
+        ]
+    )

@@ -1,0 +1,316 @@
+"""Fusion (graph stage): apply a target's rule set to the exported graph, so ONNX Runtime runs
+fused kernels (RMSNorm, SkipRMSNorm, RoPE, GroupQueryAttention) instead of their decompositions.
+
+Algorithm: pattern rewriting over onnx-ir with onnxscript's rewriter (``onnxscript.rewriter.
+pattern``): first onnxscript's optimizer (constant folding, shape inference) and common
+subexpression elimination, so per-layer shape arithmetic collapses; then each rule family of
+``fusion.rules`` in order, dead nodes removed at the end. The rule families live beside this
+module (``rms_norm.py``, ``rotary.py``, ``attention.py``); which ones run is data: the option of
+the ``fusion`` config group for the target (``configs/fusion/ort.yaml``).
+Every family reports how many sites it rewrote (``rewrites`` in the run record); a family that
+rewrote nothing on this graph is a warning there. Model facts the rules cannot read from the
+graph (head counts, positions) come from the checkpoint's ``config.json`` carried with the graph.
+
+``ensures``: the fused graph against its input graph on a fixed prompt, prefill and greedy decode
+steps fed to both (the decode path is where GroupQueryAttention appends the cache): max |logit
+difference| and top-1 agreement; the pass fails below ``min_top1_agreement``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from passes.export import DATA_FILE, MODEL_FILE
+from passes.fp8 import copy_graph_folder
+from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
+from pipeline.base import Pass
+from pipeline.config import register_pass
+from pipeline.errors import PassError
+from pipeline.progress import phases
+
+log = logging.getLogger(__name__)
+# onnx-ir logs each node it cannot find a schema for (our contrib ops) at INFO with a stack trace;
+# onnxscript's optimizer logs every slice it cannot fold.
+for _noisy in ("onnx_ir", "onnxscript"):
+    logging.getLogger(_noisy).setLevel(logging.WARNING)
+
+PARITY_PROMPT_IDS = (1, 42, 7, 99, 3, 250, 17, 5, 64, 128, 11, 300, 23, 77, 9, 180)
+PARITY_DECODE_STEPS = 6
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the rules need to know about the model that the graph does not state."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelFacts:
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        return cls(
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            max_positions=int(config.get("max_position_embeddings", 2048)),
+        )
+
+
+def _rms_norm(model: Any, facts: ModelFacts) -> int:
+    from passes.fusion.rms_norm import RMS_NORM_RULES
+
+    return RMS_NORM_RULES.apply_to_model(model)
+
+
+def _skip_rms_norm(model: Any, facts: ModelFacts) -> int:
+    from passes.fusion.rms_norm import skip_rms_norm_rules
+
+    return skip_rms_norm_rules(facts.hidden_size).apply_to_model(model)
+
+
+def _rotary(model: Any, facts: ModelFacts) -> int:
+    from passes.fusion.rotary import RotaryTables, rotary_rules
+
+    return rotary_rules(RotaryTables(model.graph, facts.max_positions)).apply_to_model(model)
+
+
+def _attention(model: Any, facts: ModelFacts) -> int:
+    from passes.fusion.attention import attention_rules, reroute_cache_outputs
+
+    mask = next((v for v in model.graph.inputs if v.name == "attention_mask"), None)
+    if mask is None:
+        return 0
+    count = attention_rules(mask, facts.num_heads, facts.num_kv_heads).apply_to_model(model)
+    if count:
+        reroute_cache_outputs(model.graph)
+    return count
+
+
+# Rule families by the name ``fusion.rules`` uses, in the order a target should list them.
+RULE_FAMILIES: dict[str, Callable[[Any, ModelFacts], int]] = {
+    "rms_norm": _rms_norm,
+    "skip_rms_norm": _skip_rms_norm,
+    "rotary_embedding": _rotary,
+    "group_query_attention": _attention,
+}
+# Ops after which a graph no longer takes left-padded batches (causal masking from lengths only).
+RIGHT_PADDING_OPS = frozenset({"GroupQueryAttention"})
+
+
+@dataclass
+class FusionConfig:
+    """Which rewrite rules run, for the engine's target (``configs/fusion/*.yaml``)."""
+
+    _target_: str = "passes.fusion.fuse.FusionPass"
+    # Rule families, applied in this order (see RULE_FAMILIES).
+    rules: list[str] = field(
+        default_factory=lambda: ["rms_norm", "skip_rms_norm", "rotary_embedding", "group_query_attention"]
+    )
+    # The pass fails when fewer greedy tokens than this agree with the unfused graph.
+    min_top1_agreement: float = 0.99
+
+
+register_pass("fusion", "ort", FusionConfig)
+
+
+class FusionPass(Pass):
+    Config = FusionConfig
+    name = "fusion"
+    version = 1
+    consumes = Kind.GRAPH
+    produces = Kind.GRAPH
+
+    def __init__(self, **config: Any) -> None:
+        super().__init__(**config)
+        unknown = [rule for rule in self.config.rules if rule not in RULE_FAMILIES]
+        if unknown:
+            raise PassError(
+                f"fusion.rules: unknown rule family {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(RULE_FAMILIES)}"
+            )
+        if not self.config.rules:
+            raise PassError("fusion.rules is empty: list rule families, or choose fusion=none")
+
+    def requires(self, source: Artifact) -> None:
+        if not (source.path / MODEL_FILE).is_file():
+            raise PassError(f"{self.name}: {source.path} holds no {MODEL_FILE}")
+        if not (source.path / "config.json").is_file():
+            raise PassError(f"{self.name}: {source.path} carries no config.json (model facts): re-export it")
+        fused = source.metadata.get("fusion")
+        if fused:
+            raise PassError(f"{self.name}: the graph is already fused ({fused}); run one fusion pass")
+
+    def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
+        import onnx_ir as ir
+        import onnx_ir.passes.common as common_passes
+        from onnxscript.optimizer import optimize
+
+        facts = ModelFacts.from_config(json.loads((source.path / "config.json").read_text()))
+        steps = ["optimize", *self.config.rules, "save"]
+        rewrites: dict[str, int] = {}
+        with phases("fusion", len(steps)) as phase:
+            phase("optimize")
+            model = ir.load(source.path / MODEL_FILE)
+            annotate_contrib_shapes(model)
+            common_passes.ShapeInferencePass()(model)
+            optimize(model)
+            common_passes.CommonSubexpressionEliminationPass()(model)
+            nodes_before = len(model.graph)
+            for rule in self.config.rules:
+                phase(rule)
+                rewrites[rule] = RULE_FAMILIES[rule](model, facts)
+            phase("save")
+            common_passes.RemoveUnusedNodesPass()(model)
+            common_passes.CommonSubexpressionEliminationPass()(model)
+            has_positions = _drop_unused_input(model.graph, "position_ids")
+            ops = {node.op_type for node in model.graph}
+            ir.save(model, out_dir / MODEL_FILE, external_data=DATA_FILE)
+        copy_graph_folder(source.path, out_dir, skip=(MODEL_FILE, DATA_FILE, ARTIFACT_FILE))
+        warnings = [
+            f"fusion rule '{rule}' matched nothing on this graph"
+            for rule, count in rewrites.items()
+            if not count
+        ]
+        for warning in warnings:
+            log.warning(warning)
+        metadata = read_metadata(source.path)
+        metadata["io"] = {
+            **metadata["io"],
+            "has_position_ids": has_positions,
+            "left_padding": not (ops & RIGHT_PADDING_OPS),
+        }
+        metadata["fusion"] = rewrites
+        write_metadata(out_dir, Kind.GRAPH, metadata)
+        return {
+            "rewrites": rewrites,
+            "warnings": warnings,
+            "nodes": {"before": nodes_before, "after": len(model.graph)},
+        }
+
+    def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
+        metrics: dict[str, Any] = {}
+        if _approximate_matmuls(source.path):
+            # MatMulNBits at accuracy_level > 0 quantizes its input to int8, so a rewrite that
+            # changes the last bit of an activation can flip roundings: judge the rewrite on
+            # copies of both graphs with exact (accuracy_level 0) arithmetic; report as built too.
+            metrics["parity_as_built"] = compare_decoding(source.path, result.path)
+            with tempfile.TemporaryDirectory(prefix="fusion-exact-") as tmp:
+                exact = [
+                    _exact_copy(folder, Path(tmp) / name)
+                    for folder, name in ((source.path, "a"), (result.path, "b"))
+                ]
+                parity = compare_decoding(*exact)
+        else:
+            parity = compare_decoding(source.path, result.path)
+        if parity["top1_agreement"] < self.config.min_top1_agreement:
+            raise PassError(
+                f"{self.name}: the fused graph agrees with the unfused one on {parity['top1_agreement']:.1%} "
+                f"of greedy tokens (max |logit diff| {parity['max_abs_diff']:.3g}); a rule is wrong: "
+                f"rerun with fewer fusion.rules to find it"
+            )
+        return {"parity_vs_input_graph": parity, **metrics}
+
+
+def _approximate_matmuls(folder: Path) -> bool:
+    import onnx
+
+    graph = onnx.load(str(folder / MODEL_FILE), load_external_data=False).graph
+    return any(
+        node.op_type == "MatMulNBits" and any(a.name == "accuracy_level" and a.i for a in node.attribute)
+        for node in graph.node
+    )
+
+
+def _exact_copy(folder: Path, out: Path) -> Path:
+    """``folder``'s graph with every MatMulNBits at accuracy_level 0 (fp32 activations)."""
+    import onnx
+
+    model = onnx.load(str(folder / MODEL_FILE))
+    for node in model.graph.node:
+        for attribute in node.attribute:
+            if node.op_type == "MatMulNBits" and attribute.name == "accuracy_level":
+                attribute.i = 0
+    out.mkdir(parents=True)
+    onnx.save_model(model, str(out / MODEL_FILE), save_as_external_data=True, location=DATA_FILE)
+    shutil.copy2(folder / ARTIFACT_FILE, out / ARTIFACT_FILE)
+    return out
+
+
+def annotate_contrib_shapes(model: Any) -> int:
+    """Give ``MatMulNBits`` outputs their shape and type, which ONNX shape inference cannot
+    infer for a contrib op, so inference carries on through quantized layers and the rules can
+    check [batch, seq, hidden] operands. Returns how many outputs it annotated."""
+    import onnx_ir as ir
+
+    ids = next((v for v in model.graph.inputs if v.name == "input_ids"), None)
+    tokens = list(ids.shape) if ids is not None and ids.shape is not None else None  # [batch, seq]
+    annotated = 0
+    for node in model.graph:
+        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
+            continue
+        x, scales, out = node.inputs[0], node.inputs[2], node.outputs[0]
+        n = node.attributes.get_int("N")
+        # Before inference reaches it, the input's shape is unknown; every linear layer of the
+        # export maps [batch, seq, K] to [batch, seq, N].
+        leading = list(x.shape[:-1]) if x.shape is not None else tokens
+        if n is None or leading is None or scales is None or scales.dtype is None:
+            continue
+        out.shape = ir.Shape([*leading, n])
+        out.type = ir.TensorType(scales.dtype)
+        annotated += 1
+    return annotated
+
+
+def _drop_unused_input(graph: Any, name: str) -> bool:
+    """Remove graph input ``name`` if nothing reads it any more; return whether it remains."""
+    value = next((v for v in graph.inputs if v.name == name), None)
+    if value is None:
+        return False
+    if value.uses():
+        return True
+    graph.inputs.remove(value)
+    return False
+
+
+def compare_decoding(
+    reference_dir: Path, candidate_dir: Path, steps: int = PARITY_DECODE_STEPS
+) -> dict[str, Any]:
+    """Logits of two graphs on a fixed prompt and ``steps`` decode steps of the reference's
+    greedy tokens (fed to both, so the caches stay comparable)."""
+    from pipeline.runtime.ort import OrtModel, graph_io
+
+    models = [OrtModel(folder / MODEL_FILE, graph_io(folder)) for folder in (reference_dir, candidate_dir)]
+    vocab = models[0].io.vocab_size
+    ids = np.array([[i % vocab for i in PARITY_PROMPT_IDS]], dtype=np.int64)
+    caches = [model.empty_cache(1) for model in models]
+    mask = np.ones_like(ids)
+    positions = np.arange(ids.shape[1], dtype=np.int64)[None]
+    diffs, agree, total = [], 0, 0
+    for step in range(steps + 1):
+        outputs = [
+            model.step(ids, mask, positions, cache) for model, cache in zip(models, caches, strict=True)
+        ]
+        (reference, caches[0]), (candidate, caches[1]) = outputs
+        diffs.append(float(np.abs(reference - candidate).max()))
+        agree += int((reference.argmax(-1) == candidate.argmax(-1)).sum())
+        total += reference.shape[1]
+        if step == steps:
+            break
+        ids = reference[:, -1:].argmax(-1)
+        mask = np.ones((1, mask.shape[1] + 1), dtype=np.int64)
+        positions = np.array([[mask.shape[1] - 1]], dtype=np.int64)
+    return {"tokens": total, "max_abs_diff": max(diffs), "top1_agreement": agree / total}

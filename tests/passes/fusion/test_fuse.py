@@ -1,0 +1,156 @@
+"""The fusion pass: config checks, what it records, parity of prefill, decode and multi-token
+continuation against the unfused graph, and the runtime's handling of a right-padding graph."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from passes.build import OrtCpuBuildPass
+from passes.fusion.fuse import FusionPass
+from pipeline.artifacts import Artifact, Kind
+from pipeline.errors import PassError
+from pipeline.runtime.generate import GenerationConfig
+from pipeline.runtime.ort import Engine, OrtModel, graph_io
+
+
+@pytest.fixture(scope="module")
+def fused_graph(tiny_graph: Artifact, tmp_path_factory: pytest.TempPathFactory) -> tuple[Artifact, dict]:
+    out = tmp_path_factory.mktemp("fused-graph")
+    fusion = FusionPass()
+    fusion.requires(tiny_graph)
+    metrics = fusion.run(tiny_graph, out)
+    result = Artifact.from_dir(Kind.GRAPH, out)
+    metrics.update(fusion.ensures(tiny_graph, result))
+    return result, metrics
+
+
+@pytest.fixture(scope="module")
+def fused_engine(fused_graph: tuple[Artifact, dict], tmp_path_factory: pytest.TempPathFactory) -> Artifact:
+    out = tmp_path_factory.mktemp("fused-engine")
+    build = OrtCpuBuildPass()
+    build.run(fused_graph[0], out)
+    engine = Artifact.from_dir(Kind.ENGINE, out)
+    build.ensures(fused_graph[0], engine)
+    return engine
+
+
+def test_the_pass_records_rewrites_and_parity(fused_graph: tuple[Artifact, dict]) -> None:
+    graph, metrics = fused_graph
+    assert metrics["rewrites"] == {
+        "rms_norm": 5,
+        "skip_rms_norm": 4,
+        "rotary_embedding": 4,
+        "group_query_attention": 2,
+    }
+    assert metrics["warnings"] == []
+    assert metrics["nodes"]["after"] < metrics["nodes"]["before"] / 3
+    parity = metrics["parity_vs_input_graph"]
+    assert parity["top1_agreement"] == 1.0 and parity["max_abs_diff"] < 1e-4
+    io = graph.metadata["io"]
+    assert io["left_padding"] is False  # GroupQueryAttention masks from lengths
+    assert io["has_position_ids"] is False  # positions come from the cache length now
+    assert graph.metadata["fusion"] == metrics["rewrites"]
+
+
+def test_a_family_that_matches_nothing_is_a_warning(tiny_graph: Artifact, tmp_path: Path) -> None:
+    metrics = FusionPass(rules=["group_query_attention"]).run(tiny_graph, tmp_path)
+    assert metrics["rewrites"] == {"group_query_attention": 0}
+    assert metrics["warnings"] == ["fusion rule 'group_query_attention' matched nothing on this graph"]
+
+
+@pytest.mark.parametrize(
+    ("rules", "message"),
+    [(["rms_norm", "flash"], "unknown rule family 'flash'"), ([], "fusion.rules is empty")],
+)
+def test_bad_rule_lists_are_refused(rules: list[str], message: str) -> None:
+    with pytest.raises(PassError, match=message):
+        FusionPass(rules=rules)
+
+
+def test_a_fused_graph_is_not_fused_twice(fused_graph: tuple[Artifact, dict]) -> None:
+    with pytest.raises(PassError, match="already fused"):
+        FusionPass().requires(fused_graph[0])
+
+
+def test_continuation_on_a_cache_matches_the_unfused_graph(
+    tiny_graph: Artifact, fused_graph: tuple[Artifact, dict]
+) -> None:
+    """lm-eval scoring runs several tokens on a cached prefix: GroupQueryAttention's
+    past + multi-token path must give the unfused logits."""
+    models = [OrtModel(a.path / "model.onnx", graph_io(a.path)) for a in (tiny_graph, fused_graph[0])]
+    ids = np.random.default_rng(0).integers(3, 300, size=(1, 14))
+    logits = []
+    for model in models:
+        _, cache = model.step(
+            ids[:, :10], np.ones((1, 10), np.int64), np.arange(10)[None], model.empty_cache(1)
+        )
+        out, _ = model.step(ids[:, 10:], np.ones((1, 14), np.int64), np.arange(10, 14)[None], cache)
+        logits.append(out)
+    assert np.abs(logits[0] - logits[1]).max() < 1e-4
+
+
+def test_unequal_prompts_on_a_right_padding_engine_decode_as_if_alone(
+    tiny_engine: Artifact, fused_engine: Artifact
+) -> None:
+    fused, plain = Engine(fused_engine.path), Engine(tiny_engine.path)
+    assert fused.io.left_padding is False
+    prompts = [[1, 40, 41, 42, 43, 44, 45], [1, 50, 51]]
+    config = GenerationConfig(max_new_tokens=6, stop_at_eos=False)
+    streamed: list[np.ndarray] = []
+    batched = fused.generate_ids(prompts, config, on_tokens=streamed.append)
+    alone = [plain.generate_ids([p], config).tokens[0] for p in prompts]
+    assert batched.tokens == alone
+    assert len(streamed) == 12 and all(len(step) == 2 for step in streamed)
+    assert [int(s[0]) for s in streamed[:6]] == alone[0] and all(s[1] == -1 for s in streamed[:6])
+
+
+def test_onnxruntime_genai_generates_our_greedy_tokens_from_the_fused_engine(fused_engine: Artifact) -> None:
+    og = pytest.importorskip("onnxruntime_genai")
+    prompt = [1, 40, 41, 42, 43, 44, 45, 46]
+    ours = Engine(fused_engine.path).generate_ids(
+        [prompt], GenerationConfig(max_new_tokens=8, stop_at_eos=False)
+    )
+    model = og.Model(str(fused_engine.path))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + 8, do_sample=False, min_length=len(prompt) + 8)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    theirs = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        theirs.append(int(generator.get_next_tokens()[0]))
+    assert theirs == ours.tokens[0]
+
+
+def test_fusion_keeps_the_io_spec_fields(fused_graph: tuple[Artifact, dict], tiny_graph: Artifact) -> None:
+    before, after = graph_io(tiny_graph.path), graph_io(fused_graph[0].path)
+    assert dataclasses.replace(after, has_position_ids=True, left_padding=True) == before
+
+
+@pytest.mark.parametrize("accuracy_level", [0, 4])
+def test_an_int4_matmulnbits_graph_fuses_fully(tiny_graph: Artifact, tmp_path: Path, accuracy_level: int) -> None:
+    """Shape inference stops at the contrib op MatMulNBits; the pass annotates its outputs so the
+    rules still see [batch, seq, hidden]. At accuracy_level 4 (int8 activations) the rewrite is
+    judged on exact-arithmetic copies, and the as-built agreement is reported beside it."""
+    from passes.matmulnbits import Int4LoweringPass
+
+    lowering = Int4LoweringPass(group_size=32, accuracy_level=accuracy_level)
+    (tmp_path / "int4").mkdir()
+    lowering.run(tiny_graph, tmp_path / "int4")
+    int4 = Artifact.from_dir(Kind.GRAPH, tmp_path / "int4")
+    fusion = FusionPass()
+    (tmp_path / "fused").mkdir()
+    metrics = fusion.run(int4, tmp_path / "fused")
+    assert metrics["rewrites"] == {
+        "rms_norm": 5,
+        "skip_rms_norm": 4,
+        "rotary_embedding": 4,
+        "group_query_attention": 2,
+    }
+    checked = fusion.ensures(int4, Artifact.from_dir(Kind.GRAPH, tmp_path / "fused"))
+    assert checked["parity_vs_input_graph"]["max_abs_diff"] < 1e-4
+    assert ("parity_as_built" in checked) == bool(accuracy_level)

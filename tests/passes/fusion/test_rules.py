@@ -1,0 +1,69 @@
+"""Each rule family on the tiny Llama graph (2 layers, 4 heads, 2 KV heads): how many sites it
+rewrites, and the rewritten graph's logits against the unfused graph, prefill and decode."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from passes.fusion.fuse import RULE_FAMILIES, ModelFacts
+from pipeline.artifacts import Artifact
+from tests.passes.fusion.conftest import prepared_model
+
+# family -> (sites on the 2-layer graph, op it emits); each family runs after those before it.
+EXPECTED = {
+    "rms_norm": (5, "SimplifiedLayerNormalization"),  # 2 per layer + the final norm
+    "skip_rms_norm": (4, "SkipSimplifiedLayerNormalization"),  # every norm after a residual add
+    "rotary_embedding": (4, "RotaryEmbedding"),  # Q and K per layer
+    "group_query_attention": (2, "GroupQueryAttention"),
+}
+ORDER = list(EXPECTED)
+
+
+def ops(model: Any) -> Counter[str]:
+    return Counter(node.op_type for node in model.graph)
+
+
+@pytest.mark.parametrize("family", ORDER)
+def test_each_rule_family_rewrites_every_site_and_keeps_the_logits(
+    family: str, tiny_graph: Artifact, tiny_facts: ModelFacts, fused_parity: Any
+) -> None:
+    model = prepared_model(tiny_graph)
+    for earlier in ORDER[: ORDER.index(family)]:
+        RULE_FAMILIES[earlier](model, tiny_facts)
+    sites, op = EXPECTED[family]
+    assert RULE_FAMILIES[family](model, tiny_facts) == sites
+    parity = fused_parity(model)
+    counts = ops(model)
+    if family != "rotary_embedding" or "GroupQueryAttention" not in counts:
+        assert counts[op] == sites
+    assert parity["top1_agreement"] == 1.0
+    assert parity["max_abs_diff"] < 1e-4
+
+
+def test_attention_fusion_leaves_no_attention_decomposition(
+    tiny_graph: Artifact, tiny_facts: ModelFacts, fused_parity: Any
+) -> None:
+    model = prepared_model(tiny_graph)
+    for family in ORDER:
+        RULE_FAMILIES[family](model, tiny_facts)
+    fused_parity(model)  # removes dead nodes
+    counts = ops(model)
+    for decomposed in ("Softmax", "Concat", "Expand", "Transpose", "RotaryEmbedding", "Neg", "Pow"):
+        assert counts[decomposed] == 0, (decomposed, counts)
+    assert counts["MatMul"] == 2 * 7 + 1  # q k v o gate up down per layer, lm_head
+    present = [value.name for value in model.graph.outputs if value.name.startswith("present.")]
+    assert all(value.producer().op_type == "GroupQueryAttention" for value in model.graph.outputs[1:])
+    assert len(present) == 4
+
+
+def test_rules_match_nothing_on_a_graph_without_their_pattern(
+    tiny_graph: Artifact, tiny_facts: ModelFacts
+) -> None:
+    """Attention without rotary (the rotary family not run) is not fused: the rule needs
+    RotaryEmbedding nodes, and a half-fused attention must not appear."""
+    model = prepared_model(tiny_graph)
+    assert RULE_FAMILIES["group_query_attention"](model, tiny_facts) == 0
+    assert RULE_FAMILIES["skip_rms_norm"](model, tiny_facts) == 0  # no SimplifiedLayerNormalization yet
