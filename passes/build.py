@@ -25,7 +25,7 @@ from pipeline.artifacts import Artifact, Kind, read_metadata, write_json, write_
 from pipeline.base import Pass
 from pipeline.config import register_pass
 from pipeline.errors import PassError
-from pipeline.runtime.ort import ENGINE_FILE, Engine
+from pipeline.runtime.ort import ENGINE_FILE, Engine, graph_ops
 
 GENAI_CONFIG = "genai_config.json"
 
@@ -100,13 +100,17 @@ def genai_config(metadata: dict[str, Any], max_length: int, threads: int) -> dic
             "no_repeat_ngram_size": 0,
             "num_beams": 1,
             "num_return_sequences": 1,
-            "past_present_share_buffer": False,
+            "past_present_share_buffer": metadata.get("kv_cache", {}).get("layout") == "shared",
             "repetition_penalty": 1.0,
             "temperature": 1.0,
             "top_k": 1,
             "top_p": 1.0,
         },
     }
+
+
+def metadata_model_file(source: Artifact) -> str:
+    return str(source.metadata.get("model_file", "model.onnx"))
 
 
 class OrtCpuBuildPass(Pass):
@@ -119,6 +123,14 @@ class OrtCpuBuildPass(Pass):
     def requires(self, source: Artifact) -> None:
         if "io" not in source.metadata or "tokens" not in source.metadata:
             raise PassError(f"build: {source.path} records no IO spec in artifact.json; re-run export")
+        kv = source.metadata.get("kv_cache", {})
+        needs_gqa = kv.get("layout") == "shared" or bool(kv.get("window"))
+        if needs_gqa and "GroupQueryAttention" not in graph_ops(source.path / metadata_model_file(source)):
+            wanted = "kv_cache=shared" if kv.get("layout") == "shared" else f"kv_cache.window={kv['window']}"
+            raise PassError(
+                f"build: {wanted} needs the attention fused to GroupQueryAttention (it updates the "
+                "buffer in place and bounds the window); add fusion=ort"
+            )
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         metadata = read_metadata(source.path)
@@ -128,6 +140,7 @@ class OrtCpuBuildPass(Pass):
         model_max = int(metadata.get("max_length", 2048))
         max_length = min(self.config.max_length, model_max) if self.config.max_length else model_max
         threads = self.config.intra_op_num_threads
+        kv = metadata.get("kv_cache", {})
         write_json(out_dir / GENAI_CONFIG, genai_config(metadata, max_length, threads))
         write_json(
             out_dir / ENGINE_FILE,
@@ -136,7 +149,12 @@ class OrtCpuBuildPass(Pass):
                 "target": self.config.name,
                 "providers": ["CPUExecutionProvider"],
                 "model_file": metadata["model_file"],
-                "io": {**metadata["io"], "kv_layout": "concat"},
+                "io": {
+                    **metadata["io"],
+                    "kv_layout": kv.get("layout", "concat"),
+                    "window": kv.get("window", 0),
+                },
+                "kv_cache": kv,
                 "tokens": metadata["tokens"],
                 "max_length": max_length,
                 "session": {

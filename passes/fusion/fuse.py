@@ -56,9 +56,11 @@ class ModelFacts:
     num_kv_heads: int
     head_dim: int
     max_positions: int
+    # Sliding-window attention from the KV-cache layout (0: unbounded).
+    window: int = 0
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelFacts:
+    def from_config(cls, config: dict[str, Any], window: int = 0) -> ModelFacts:
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         return cls(
@@ -67,6 +69,7 @@ class ModelFacts:
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
             head_dim=int(config.get("head_dim") or hidden // heads),
             max_positions=int(config.get("max_position_embeddings", 2048)),
+            window=window,
         )
 
 
@@ -94,7 +97,8 @@ def _attention(model: Any, facts: ModelFacts) -> int:
     mask = next((v for v in model.graph.inputs if v.name == "attention_mask"), None)
     if mask is None:
         return 0
-    count = attention_rules(mask, facts.num_heads, facts.num_kv_heads).apply_to_model(model)
+    window = facts.window or -1  # ORT: the token and the window-1 before it (checked in tests)
+    count = attention_rules(mask, facts.num_heads, facts.num_kv_heads, window).apply_to_model(model)
     if count:
         reroute_cache_outputs(model.graph)
     return count
@@ -159,7 +163,8 @@ class FusionPass(Pass):
         import onnx_ir.passes.common as common_passes
         from onnxscript.optimizer import optimize
 
-        facts = ModelFacts.from_config(json.loads((source.path / "config.json").read_text()))
+        window = int(source.metadata.get("kv_cache", {}).get("window", 0))
+        facts = ModelFacts.from_config(json.loads((source.path / "config.json").read_text()), window)
         steps = ["optimize", *self.config.rules, "save"]
         rewrites: dict[str, int] = {}
         with phases("fusion", len(steps)) as phase:

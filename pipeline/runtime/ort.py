@@ -38,6 +38,11 @@ class IOSpec:
     # False once attention is fused into a kernel that masks causally from sequence lengths only
     # (GroupQueryAttention): such a graph takes right padding, not left-padded batches.
     left_padding: bool = True
+    # "concat": present = past + new tokens, a new tensor each step. "shared": one buffer per
+    # layer of the engine's max_length, bound as past and present (updated in place).
+    kv_layout: str = "concat"
+    # Sliding-window attention bound (0: none); the graph enforces it, recorded for consumers.
+    window: int = 0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> IOSpec:
@@ -76,8 +81,14 @@ class OrtModel:
         threads: int = 0,
         optimization: str = "all",
         providers: Sequence[str] = ("CPUExecutionProvider",),
+        capacity: int = 0,
     ) -> None:
         self.io = io
+        if io.kv_layout == "shared" and capacity <= 0:
+            raise EngineError(
+                f"{model_path}: a shared KV layout needs the buffer capacity (the engine's max_length)"
+            )
+        self.capacity = capacity if io.kv_layout == "shared" else 0
         try:
             self.session = ort.InferenceSession(
                 str(model_path), session_options(threads, optimization), providers=list(providers)
@@ -89,8 +100,11 @@ class OrtModel:
         self._kv_dtype = _NP_DTYPES[io.kv_dtype]
 
     def empty_cache(self, batch: int) -> list[ort.OrtValue]:
-        empty = np.zeros((batch, self.io.num_kv_heads, 0, self.io.head_dim), dtype=self._kv_dtype)
-        return [ort.OrtValue.ortvalue_from_numpy(empty) for _ in self._past_names]
+        """The cache before the first step: empty tensors, or the zeroed shared buffers."""
+        shape = (batch, self.io.num_kv_heads, self.capacity, self.io.head_dim)
+        return [
+            ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self._kv_dtype)) for _ in self._past_names
+        ]
 
     def step(
         self,
@@ -109,6 +123,16 @@ class OrtModel:
             binding.bind_ortvalue_input(name, value)
         logits = np.empty((*input_ids.shape, self.io.vocab_size), dtype=np.float32)
         binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        if self.capacity:  # GroupQueryAttention appends into the buffer it reads from
+            if attention_mask.shape[1] > self.capacity:
+                raise EngineError(
+                    f"{attention_mask.shape[1]} tokens exceed the shared KV buffer "
+                    f"({self.capacity} positions)"
+                )
+            for name, value in zip(self._present_names, cache, strict=True):
+                binding.bind_ortvalue_output(name, value)
+            self.session.run_with_iobinding(binding)
+            return logits, cache
         for name in self._present_names:
             binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
@@ -142,15 +166,17 @@ class Engine:
             raise EngineError(f"{spec_path} is built for target '{target}'; this runtime runs {supported}")
         if not model_file.is_file():
             raise EngineError(f"{model_file} is missing: the engine folder is incomplete, rebuild it")
+        check_kv_layout(self.io, model_file, spec_path)
         session = self.spec.get("session", {})
+        self.max_length = int(self.spec.get("max_length", 2048))
         self.model = OrtModel(
             model_file,
             self.io,
             threads=threads or int(session.get("intra_op_num_threads", 0)),
             optimization=session.get("graph_optimization_level", "all"),
             providers=self.spec.get("providers", ["CPUExecutionProvider"]),
+            capacity=self.max_length,
         )
-        self.max_length = int(self.spec.get("max_length", 2048))
         self._tokenizer: Any = None
         tokens = self.spec.get("tokens", {})
         self.eos_token_ids: list[int] = list(tokens.get("eos_token_ids", []))
@@ -261,6 +287,30 @@ class Engine:
                 if len(text) > len(emitted[row]):
                     stream(row, text[len(emitted[row]) :])
         return [GeneratedText(text, ids) for text, ids in zip(texts, result.tokens, strict=True)]
+
+
+KV_LAYOUTS = ("concat", "shared")
+
+
+def graph_ops(model_file: Path) -> set[str]:
+    """Op types of an ONNX graph (weights not loaded)."""
+    import onnx
+
+    return {node.op_type for node in onnx.load(str(model_file), load_external_data=False).graph.node}
+
+
+def check_kv_layout(io: IOSpec, model_file: Path, where: Path) -> None:
+    """Refuse a KV layout the graph cannot run: shared buffers and sliding windows need
+    GroupQueryAttention, which updates the buffer in place and bounds the attention span."""
+    if io.kv_layout not in KV_LAYOUTS:
+        raise EngineError(
+            f"{where} records kv_layout '{io.kv_layout}'; this runtime knows {', '.join(KV_LAYOUTS)}"
+        )
+    if (io.kv_layout == "shared" or io.window) and "GroupQueryAttention" not in graph_ops(model_file):
+        raise EngineError(
+            f"{where} records kv_layout '{io.kv_layout}' (window {io.window}) but {model_file.name} has no "
+            "GroupQueryAttention: rebuild the engine with fusion=ort"
+        )
 
 
 def graph_io(folder: Path) -> IOSpec:

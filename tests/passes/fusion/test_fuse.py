@@ -132,7 +132,9 @@ def test_fusion_keeps_the_io_spec_fields(fused_graph: tuple[Artifact, dict], tin
 
 
 @pytest.mark.parametrize("accuracy_level", [0, 4])
-def test_an_int4_matmulnbits_graph_fuses_fully(tiny_graph: Artifact, tmp_path: Path, accuracy_level: int) -> None:
+def test_an_int4_matmulnbits_graph_fuses_fully(
+    tiny_graph: Artifact, tmp_path: Path, accuracy_level: int
+) -> None:
     """Shape inference stops at the contrib op MatMulNBits; the pass annotates its outputs so the
     rules still see [batch, seq, hidden]. At accuracy_level 4 (int8 activations) the rewrite is
     judged on exact-arithmetic copies, and the as-built agreement is reported beside it."""
