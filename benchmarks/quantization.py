@@ -204,28 +204,30 @@ def builder_version() -> str | None:
         return None
 
 
-def build_builder_model(source_dir: Path, source_digest: str, out: Path, timeout_s: int) -> Contestant:
-    """The model builder's int4 model of ``source_dir``, from the cache or built now."""
+def build_builder_model(
+    source_dir: Path, source_digest: str, out: Path, timeout_s: int, precision: str = "int4"
+) -> Contestant:
+    """The model builder's ``precision`` (int4, fp32) model of ``source_dir``, from the cache or built now."""
     from pipeline.artifacts import Kind, folder_digest
     from pipeline.cache import Cache, cache_key
 
     version = builder_version()
-    row = Contestant(f"builder int4 (ORT GenAI {version or '-'})", "builder")
+    row = Contestant(f"builder {precision} (ORT GenAI {version or '-'})", "builder")
     if version is None or importlib.util.find_spec("onnxruntime_genai") is None:
         row.status = "not available"
         row.note = f"{BUILDER_PACKAGE} is not installed: pip install -e '.[bench]'"
-        _say(f"build  builder int4: {row.note}")
+        _say(f"build  builder {precision}: {row.note}")
         return row
-    options = {**BUILDER_OPTIONS, BUILDER_PACKAGE: version}
+    options = {**BUILDER_OPTIONS, "precision": precision, BUILDER_PACKAGE: version}
     key = cache_key(source_digest, BUILDER_PASS_NAME, BUILDER_PASS_VERSION, options)
     cache = Cache(REPO / "artifacts" / "cache")
     row.build = {"cache_key": key, "options": options, "source": str(source_dir)}
     entry = cache.lookup(key, Kind.ENGINE)
     if entry is not None:
         row.build.update(cache_hit=True, seconds=0.0)
-        _say(f"build  builder int4: ok (from the cache, {key[:12]})")
+        _say(f"build  builder {precision}: ok (from the cache, {key[:12]})")
     else:
-        _say("build  builder int4 ...")
+        _say(f"build  builder {precision} ...")
         with cache.stage(key) as staging:
             output = staging / "output"
             command = [
@@ -237,13 +239,13 @@ def build_builder_model(source_dir: Path, source_digest: str, out: Path, timeout
                 "-o",
                 str(output),
                 "-p",
-                BUILDER_OPTIONS["precision"],
+                precision,
                 "-e",
                 BUILDER_OPTIONS["execution_provider"],
                 "-c",
                 str(staging / "hf_cache"),  # the builder's default is ./cache_dir in the cwd
             ]
-            log_path = out / "builder-int4.log"
+            log_path = out / f"builder-{precision}.log"
             start = time.perf_counter()
             try:
                 result = subprocess.run(
@@ -259,7 +261,7 @@ def build_builder_model(source_dir: Path, source_digest: str, out: Path, timeout
             if result.returncode != 0 or not (output / "genai_config.json").is_file():
                 row.status = "failed"
                 row.note = f"builder failed (exit {result.returncode}): {_tail(result.stderr)}"
-                _say(f"build  builder int4: {row.note} (log {log_path})")
+                _say(f"build  builder {precision}: {row.note} (log {log_path})")
                 return row
             record = {
                 "pass": BUILDER_PASS_NAME,
@@ -271,7 +273,7 @@ def build_builder_model(source_dir: Path, source_digest: str, out: Path, timeout
             }
             entry = cache.commit(key, staging, Kind.ENGINE, record)
         row.build["cache_hit"] = False
-        _say(f"build  builder int4: ok ({row.build['seconds']} s, cached as {key[:12]})")
+        _say(f"build  builder {precision}: ok ({row.build['seconds']} s, cached as {key[:12]})")
     row.folder = entry.artifact.path
     row.build["digest"] = entry.artifact.digest
     files = [p for p in row.folder.rglob("*") if p.is_file()]
@@ -284,7 +286,9 @@ class GenAIModelEngine(Engine):
     """An ONNX Runtime GenAI model folder (``genai_config.json`` + decoder ONNX) run through our
     ``OrtModel``: the same generation loop, timing and quality code as our engines."""
 
-    def __init__(self, folder: Path, threads: int = 0) -> None:  # no super().__init__: no engine.json
+    def __init__(self, folder: Path, threads: int = 0, share_buffer: bool = False) -> None:  # no engine.json
+        """``share_buffer``: bind one KV buffer of the context length per layer, as GenAI does when
+        the folder's ``search.past_present_share_buffer`` is set (otherwise concat, as before)."""
         self.folder = Path(folder)
         try:
             genai = json.loads((self.folder / "genai_config.json").read_text())
@@ -300,8 +304,20 @@ class GenAIModelEngine(Engine):
             raise EngineError(f"{self.folder}/genai_config.json is unusable ({first_line(exc)})") from None
         if names.get("past_key_names") != "past_key_values.%d.key":
             raise EngineError(f"{model_file} names its KV cache {names.get('past_key_names')!r}")
-        io = IOSpec(num_layers, num_kv_heads, head_dim, vocab, has_position_ids="position_ids" in names)
-        self.model = OrtModel(model_file, io, threads=threads)
+        search = genai.get("search", {})
+        self.max_length = int(model.get("context_length") or search.get("max_length", 2048))
+        shared = share_buffer and bool(search.get("past_present_share_buffer"))
+        io = IOSpec(
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            vocab,
+            has_position_ids="position_ids" in names,
+            left_padding=False,  # GroupQueryAttention
+            kv_layout="shared" if shared else "concat",
+        )
+        capacity = self.max_length if shared else 0
+        self.model = OrtModel(model_file, io, threads=threads, capacity=capacity)
         inputs = {i.name: i for i in self.model.session.get_inputs()}
         outputs = [o.name for o in self.model.session.get_outputs()]
         expected_in = {"input_ids", "attention_mask", *io.past_names()} | (
@@ -318,11 +334,9 @@ class GenAIModelEngine(Engine):
             raise EngineError(f"{model_file} keeps its KV cache as {kv_type}; OrtModel takes float/float16")
         if _KV_DTYPES[kv_type] != io.kv_dtype:  # an fp16 cache: reopen with the matching buffers
             io = replace(io, kv_dtype=_KV_DTYPES[kv_type])
-            self.model = OrtModel(model_file, io, threads=threads)
+            self.model = OrtModel(model_file, io, threads=threads, capacity=capacity)
         self.io = io
         self.io_names = {"inputs": list(inputs), "outputs": outputs}
-        search = genai.get("search", {})
-        self.max_length = int(model.get("context_length") or search.get("max_length", 2048))
         self.spec = {"target": "ort-cpu", "model_file": decoder["filename"], "max_length": self.max_length}
         self._tokenizer: Any = None
         eos = model.get("eos_token_id", [])

@@ -12,7 +12,10 @@ GroupQueryAttention masks causally from ``seqlens_k`` alone: it supports right p
 left padding of a batched prompt, which is why a fused engine records ``left_padding: false``
 (``pipeline.runtime`` then runs prompts of unequal length one by one).
 onnxscript's ``ort_fusions.gqa`` matches the dynamo exporter's SDPA and transformers' mask
-construction; the TorchScript export traces eager attention, hence this rule.
+construction; the TorchScript export traces eager attention, hence this rule. It matches from
+the attention output alone (a pattern with the two cache outputs as well makes onnxscript's
+matcher try every combination of candidate nodes: minutes on a 30-layer graph);
+``reroute_cache_outputs`` then points ``present.*`` at the kernel's cache outputs.
 """
 
 from __future__ import annotations
@@ -84,10 +87,16 @@ class GroupQueryAttention(pattern.RewriteRuleClassBase):
         query_heads: Any,
         scale: Any,
         mask: Any,
+        past_key: Any,
+        past_value: Any,
         **_: Any,
     ) -> Any:
         result = pattern.MatchResult()
         graph = context.graph_or_function
+        if past_key not in graph.inputs or past_value not in graph.inputs:
+            return result.fail(
+                "the concatenated K/V are not the graph's past cache inputs", [past_key, past_value]
+            )
         if self._attention_mask not in _graph_inputs_above(mask, graph):
             return result.fail("the attention mask does not come from attention_mask", mask)
         factor = constant_scalar(scale)

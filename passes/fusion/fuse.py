@@ -1,11 +1,13 @@
 """Fusion (graph stage): apply a target's rule set to the exported graph, so ONNX Runtime runs
-fused kernels (RMSNorm, SkipRMSNorm, RoPE, GroupQueryAttention) instead of their decompositions.
+fused kernels (RMSNorm, SkipRMSNorm, RoPE, GroupQueryAttention with packed QKV) instead of their
+decompositions.
 
 Algorithm: pattern rewriting over onnx-ir with onnxscript's rewriter (``onnxscript.rewriter.
 pattern``): first onnxscript's optimizer (constant folding, shape inference) and common
 subexpression elimination, so per-layer shape arithmetic collapses; then each rule family of
 ``fusion.rules`` in order, dead nodes removed at the end. The rule families live beside this
-module (``rms_norm.py``, ``rotary.py``, ``attention.py``); which ones run is data: the option of
+module (``rms_norm.py``, ``rotary.py``, ``attention.py``, ``packed_qkv.py``); which ones run is
+data: the option of
 the ``fusion`` config group for the target (``configs/fusion/ort.yaml``).
 Every family reports how many sites it rewrote (``rewrites`` in the run record); a family that
 rewrote nothing on this graph is a warning there. Model facts the rules cannot read from the
@@ -104,12 +106,22 @@ def _attention(model: Any, facts: ModelFacts) -> int:
     return count
 
 
+def _packed_qkv(model: Any, facts: ModelFacts) -> int:
+    import onnx_ir.passes.common as common_passes
+
+    from passes.fusion.packed_qkv import packed_qkv_rules
+
+    common_passes.RemoveUnusedNodesPass()(model)  # the replaced attention still reads the projections
+    return packed_qkv_rules(model.graph).apply_to_model(model)
+
+
 # Rule families by the name ``fusion.rules`` uses, in the order a target should list them.
 RULE_FAMILIES: dict[str, Callable[[Any, ModelFacts], int]] = {
     "rms_norm": _rms_norm,
     "skip_rms_norm": _skip_rms_norm,
     "rotary_embedding": _rotary,
     "group_query_attention": _attention,
+    "packed_qkv": _packed_qkv,
 }
 # Ops after which a graph no longer takes left-padded batches (causal masking from lengths only).
 RIGHT_PADDING_OPS = frozenset({"GroupQueryAttention"})
@@ -122,7 +134,13 @@ class FusionConfig:
     _target_: str = "passes.fusion.fuse.FusionPass"
     # Rule families, applied in this order (see RULE_FAMILIES).
     rules: list[str] = field(
-        default_factory=lambda: ["rms_norm", "skip_rms_norm", "rotary_embedding", "group_query_attention"]
+        default_factory=lambda: [
+            "rms_norm",
+            "skip_rms_norm",
+            "rotary_embedding",
+            "group_query_attention",
+            "packed_qkv",
+        ]
     )
     # The pass fails when fewer greedy tokens than this agree with the unfused graph.
     min_top1_agreement: float = 0.99

@@ -50,12 +50,33 @@ def test_every_group_exists(group: str) -> None:
         ("quant.bits=4", "bits"),
         ("unknown_key=1", "unknown_key"),
         ("quant=bogus", "bogus"),
+        ("kv_cache=shared kv_cache.dtype=int4", "dtype"),
+        ("kv_cache=concat kv_cache.layout=ring", "layout"),
+        ("fusion=ort fusion.rules=rms_norm", "rules"),
     ],
 )
 def test_bad_override_fails_at_parse_time(override: str, message: str) -> None:
     with pytest.raises((ConfigCompositionException, ValidationError)) as error:
-        compose_recipe([override])
+        compose_recipe(override.split())
     assert message in str(error.value) or message in str(error.value.__cause__)
+
+
+def test_layout_and_fusion_options_place_their_passes_between_export_and_build() -> None:
+    from passes.fusion.fuse import FusionPass
+    from passes.kv_cache import KvCachePass
+
+    cfg = compose_recipe(["fusion=ort", "kv_cache=shared", "kv_cache.window=128"])
+    passes = build_passes(cfg)
+    assert [type(p) for p in passes] == [ExportPass, KvCachePass, FusionPass, OrtCpuBuildPass]
+    validate(passes, Kind.TORCH)
+    assert passes[1].config.layout == "shared" and passes[1].config.window == 128
+    assert passes[2].config.rules == [
+        "rms_norm",
+        "skip_rms_norm",
+        "rotary_embedding",
+        "group_query_attention",
+        "packed_qkv",
+    ]
 
 
 def test_overrides_reach_the_pass_config() -> None:

@@ -45,6 +45,7 @@ def test_the_pass_records_rewrites_and_parity(fused_graph: tuple[Artifact, dict]
         "skip_rms_norm": 4,
         "rotary_embedding": 4,
         "group_query_attention": 2,
+        "packed_qkv": 2,
     }
     assert metrics["warnings"] == []
     assert metrics["nodes"]["after"] < metrics["nodes"]["before"] / 3
@@ -152,7 +153,38 @@ def test_an_int4_matmulnbits_graph_fuses_fully(
         "skip_rms_norm": 4,
         "rotary_embedding": 4,
         "group_query_attention": 2,
+        "packed_qkv": 2,
     }
     checked = fusion.ensures(int4, Artifact.from_dir(Kind.GRAPH, tmp_path / "fused"))
     assert checked["parity_vs_input_graph"]["max_abs_diff"] < 1e-4
     assert ("parity_as_built" in checked) == bool(accuracy_level)
+
+
+ALL_RULES = ["rms_norm", "skip_rms_norm", "rotary_embedding", "group_query_attention", "packed_qkv"]
+
+
+@pytest.mark.parametrize("lowering", ["fp32", "int4"])
+def test_packed_qkv_merges_the_three_projections(tiny_graph: Artifact, tmp_path: Path, lowering: str) -> None:
+    """Q, K and V projections become one matmul (MatMul or MatMulNBits) feeding
+    GroupQueryAttention's packed form; the logits stay those of the unfused graph."""
+    import onnx
+
+    from passes.matmulnbits import Int4LoweringPass
+
+    graph = tiny_graph
+    if lowering == "int4":
+        (tmp_path / "int4").mkdir()
+        Int4LoweringPass(group_size=32, accuracy_level=0).run(tiny_graph, tmp_path / "int4")
+        graph = Artifact.from_dir(Kind.GRAPH, tmp_path / "int4")
+    fusion = FusionPass(rules=ALL_RULES)
+    (tmp_path / "fused").mkdir()
+    metrics = fusion.run(graph, tmp_path / "fused")
+    assert metrics["rewrites"]["packed_qkv"] == 2
+    result = Artifact.from_dir(Kind.GRAPH, tmp_path / "fused")
+    nodes = onnx.load(str(result.path / "model.onnx"), load_external_data=False).graph.node
+    matmuls = [n for n in nodes if n.op_type in ("MatMul", "MatMulNBits")]
+    assert len(matmuls) == 2 * 5 + 1  # qkv o gate up down per layer, lm_head
+    for node in (n for n in nodes if n.op_type == "GroupQueryAttention"):
+        assert list(node.input[1:3]) == ["", ""]  # key and value come packed in query
+    parity = fusion.ensures(graph, result)["parity_vs_input_graph"]
+    assert parity["top1_agreement"] == 1.0 and parity["max_abs_diff"] < 1e-4

@@ -1,0 +1,235 @@
+"""Fusion and KV-cache layout benchmark: our engine unfused vs fused, concat vs shared KV cache,
+against ONNX Runtime GenAI's model builder (fp32 and int4) on the same checkpoint, in one run.
+
+Rows (each built with the real CLI, ``bench=none``, so reruns come from the pipeline cache):
+- ``fp32 unfused / concat``: ``quant=none`` (the export as is);
+- ``fp32 fused / concat`` and ``fp32 fused / shared``: ``fusion=ort kv_cache=concat|shared``;
+- ``<int4> unfused / concat`` and ``<int4> fused / shared``: ``quant=<int4 recipe>``;
+- ``builder fp32`` and ``builder int4``: ``python -m onnxruntime_genai.models.builder -p fp32|int4``
+  (cached by source digest), run through our ``OrtModel`` with the shared buffer its
+  ``genai_config.json`` asks for.
+
+Measured per row, interleaved per repeat (A B C ..., A B C ...), medians over ``--repeats`` after
+``--warmup``: TTFT (prefill + first token) at ``--ttft`` lengths; TPOT (mean time per decoded token
+over ``--decode-tokens``) after a prompt of each ``--contexts`` length; the KV cache's bytes at
+the longest context. Ratios are against the builder of the same precision (<1: we are faster).
+
+    python benchmarks/fusion.py [--contexts 256 1024 4096] [--ttft 512 2048] [--repeats 3]
+        [--warmup 1] [--threads 2] [--int4 int4_awq] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from quantization import (
+    REPO,
+    Contestant,
+    GenAIModelEngine,
+    UsageError,
+    build_builder_model,
+    build_recipe,
+    make_prompt,
+)
+
+from pipeline.runtime.generate import GenerationConfig
+from pipeline.runtime.ort import Engine
+
+DEFAULT_OUT = Path("artifacts/benchmarks/fusion")
+
+
+def rows_to_build(int4: str) -> list[tuple[str, str, tuple[str, ...], str]]:
+    """(label, quant recipe, overrides, precision) of our engines."""
+    return [
+        ("fp32 unfused / concat", "none", (), "fp32"),
+        ("fp32 fused / concat", "none", ("fusion=ort", "kv_cache=concat"), "fp32"),
+        ("fp32 fused / shared", "none", ("fusion=ort", "kv_cache=shared"), "fp32"),
+        (f"{int4} unfused / concat", int4, (), "int4"),
+        (f"{int4} fused / shared", int4, ("fusion=ort", "kv_cache=shared"), "int4"),
+    ]
+
+
+def kv_bytes(engine: Engine, tokens: int) -> int:
+    io = engine.io
+    itemsize = np.dtype(io.kv_dtype).itemsize
+    return 2 * io.num_layers * io.num_kv_heads * io.head_dim * tokens * itemsize
+
+
+def measure(rows: list[Contestant], args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    vocab = rows[0].engine.io.vocab_size  # type: ignore[union-attr]
+    rng = np.random.default_rng(args.seed)
+    ttft_prompts = {n: make_prompt(rng, vocab, n) for n in args.ttft}
+    context_prompts = {n: make_prompt(rng, vocab, n) for n in args.contexts}
+    one = GenerationConfig(max_new_tokens=1, stop_at_eos=False)
+    decode = GenerationConfig(max_new_tokens=args.decode_tokens + 1, stop_at_eos=False)
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    runs = args.warmup + args.repeats
+    bar = tqdm(total=runs * len(rows), desc="measure", unit="engine-run", file=sys.stderr)
+    for index in range(runs):
+        for row in rows:
+            engine = row.engine
+            assert engine is not None
+            samples: dict[str, float] = {}
+            for n, prompt in ttft_prompts.items():
+                samples[f"ttft@{n}"] = engine.generate_ids(prompt, one).prefill_seconds
+            for n, prompt in context_prompts.items():
+                result = engine.generate_ids(prompt, decode)
+                samples[f"tpot@{n}"] = statistics.mean(result.step_seconds)
+            if index >= args.warmup:
+                for key, value in samples.items():
+                    row.samples.setdefault(key, []).append(value)
+            bar.update()
+    bar.close()
+    return {
+        "load_average": {
+            "before": [round(x, 2) for x in load_before],
+            "after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = REPO / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[Contestant] = []
+    precision: dict[str, str] = {}
+    for label, recipe, overrides, prec in rows_to_build(args.int4):
+        slug = label.replace(" / ", "-").replace(" ", "-")
+        row = build_recipe(recipe, out, args.build_timeout, label=slug, overrides=overrides)
+        row.name = label
+        if row.ok:
+            assert row.folder is not None
+            row.engine = Engine(row.folder, threads=args.threads)
+        rows.append(row)
+        precision[label] = prec
+    reference = next((r for r in rows if r.ok and r.manifest), None)
+    if reference is None:
+        raise UsageError("no engine of ours built; see the logs under " + str(out))
+    source = reference.manifest["source"]  # type: ignore[index]
+    for prec in ("fp32", "int4"):
+        row = build_builder_model(
+            Path(source["path"]), source["digest"], out, args.build_timeout, precision=prec
+        )
+        if row.ok:
+            assert row.folder is not None
+            row.engine = GenAIModelEngine(row.folder, threads=args.threads, share_buffer=True)
+        rows.append(row)
+        precision[row.name] = prec
+    live = [r for r in rows if r.ok and r.engine is not None]
+    longest = max([*args.contexts, *args.ttft]) + args.decode_tokens + 1
+    for row in live:
+        if row.engine.max_length < longest:  # type: ignore[union-attr]
+            raise UsageError(f"{row.name}: max_length {row.engine.max_length} < {longest} tokens")  # type: ignore[union-attr]
+    timing = measure(live, args)
+    builders = {precision[r.name]: r for r in live if r.kind == "builder"}
+    table = []
+    for row in rows:
+        entry: dict[str, Any] = {"row": row.name, "status": row.status, "note": row.note}
+        if row.ok and row.engine is not None:
+            entry["median_ms"] = {k: round(1000 * statistics.median(v), 2) for k, v in row.samples.items()}
+            entry["kv_cache_bytes_at_longest_context"] = kv_bytes(row.engine, max(args.contexts))
+            entry["kv_layout"] = row.engine.io.kv_layout
+            if row.manifest:
+                fusion = next((p for p in row.manifest["passes"] if p["name"] == "fusion"), None)
+                entry["fusion_rewrites"] = fusion["metrics"].get("rewrites") if fusion else None
+            peer = builders.get(precision[row.name])
+            if peer is not None and peer is not row:
+                entry["vs_builder"] = {
+                    k: round(statistics.median(v) / statistics.median(peer.samples[k]), 3)
+                    for k, v in row.samples.items()
+                }
+        table.append(entry)
+    return {
+        "benchmark": "fusion",
+        "settings": vars(args) | {"out": str(args.out)},
+        "cpu": os.cpu_count(),
+        "timing": timing,
+        "rows": table,
+    }
+
+
+def print_report(record: dict[str, Any], args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    keys = [f"ttft@{n}" for n in args.ttft] + [f"tpot@{n}" for n in args.contexts]
+    table = Table(
+        title="Fusion and KV layout vs the ONNX Runtime GenAI builder (median ms; ratio vs builder)"
+    )
+    table.add_column("engine")
+    for key in keys:
+        table.add_column(key.replace("@", " @"), justify="right")
+    table.add_column(f"KV MiB @{max(args.contexts)}", justify="right")
+    for entry in record["rows"]:
+        if entry["status"] != "ok":
+            table.add_row(entry["row"], *[entry["status"]] * len(keys), entry["note"])
+            continue
+        cells = []
+        for key in keys:
+            ms = entry["median_ms"][key]
+            ratio = entry.get("vs_builder", {}).get(key)
+            cells.append(f"{ms:.1f}" + (f" ({ratio:.2f}x)" if ratio is not None else ""))
+        table.add_row(entry["row"], *cells, f"{entry['kv_cache_bytes_at_longest_context'] / 2**20:.0f}")
+    console = Console(width=160)
+    console.print(table)
+    timing = record["timing"]
+    console.print(
+        f"load average before {timing['load_average']['before']} after {timing['load_average']['after']}; "
+        f"{args.repeats} repeats after {args.warmup} warm-up, interleaved; {args.threads} threads; "
+        f"{timing['seconds']} s"
+    )
+    for entry in record["rows"]:
+        if entry.get("fusion_rewrites"):
+            console.print(f"{entry['row']}: rewrites {entry['fusion_rewrites']}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--ttft", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--int4", default="int4_awq", help="the int4 recipe of our rows")
+    parser.add_argument("--build-timeout", type=int, default=1800)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if min(args.contexts + args.ttft) < 1 or args.repeats < 1 or args.warmup < 0 or args.decode_tokens < 2:
+        parser.error("lengths and --repeats must be positive, --decode-tokens at least 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        record = run(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_report(record, args)
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=2, default=str))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
