@@ -4,7 +4,8 @@ against ONNX Runtime GenAI's model builder (fp32 and int4) on the same checkpoin
 Rows (each built with the real CLI, ``bench=none``, so reruns come from the pipeline cache):
 - ``fp32 unfused / concat``: ``quant=none`` (the export as is);
 - ``fp32 fused / concat`` and ``fp32 fused / shared``: ``fusion=ort kv_cache=concat|shared``;
-- ``<int4> unfused / concat`` and ``<int4> fused / shared``: ``quant=<int4 recipe>``;
+- ``int8 ...`` and ``<int4> ...``: the same for ``quant=int8`` (SmoothQuant W8A8) and
+  ``quant=<int4 recipe>`` (int8 has no builder peer: its ratio column is against builder fp32);
 - ``builder fp32`` and ``builder int4``: ``python -m onnxruntime_genai.models.builder -p fp32|int4``
   (cached by source digest), run through our ``OrtModel`` with the shared buffer its
   ``genai_config.json`` asks for.
@@ -55,6 +56,8 @@ def rows_to_build(int4: str) -> list[tuple[str, str, tuple[str, ...], str]]:
         ("fp32 unfused / concat", "none", (), "fp32"),
         ("fp32 fused / concat", "none", ("fusion=ort", "kv_cache=concat"), "fp32"),
         ("fp32 fused / shared", "none", ("fusion=ort", "kv_cache=shared"), "fp32"),
+        ("int8 unfused / concat", "int8", (), "int8"),
+        ("int8 fused / shared", "int8", ("fusion=ort", "kv_cache=shared"), "int8"),
         (f"{int4} unfused / concat", int4, (), "int4"),
         (f"{int4} fused / shared", int4, ("fusion=ort", "kv_cache=shared"), "int4"),
     ]
@@ -147,7 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if row.manifest:
                 fusion = next((p for p in row.manifest["passes"] if p["name"] == "fusion"), None)
                 entry["fusion_rewrites"] = fusion["metrics"].get("rewrites") if fusion else None
-            peer = builders.get(precision[row.name])
+            peer = builders.get(precision[row.name]) or builders.get("fp32")
             if peer is not None and peer is not row:
                 entry["vs_builder"] = {
                     k: round(statistics.median(v) / statistics.median(peer.samples[k]), 3)

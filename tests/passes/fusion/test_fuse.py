@@ -188,3 +188,25 @@ def test_packed_qkv_merges_the_three_projections(tiny_graph: Artifact, tmp_path:
         assert list(node.input[1:3]) == ["", ""]  # key and value come packed in query
     parity = fusion.ensures(graph, result)["parity_vs_input_graph"]
     assert parity["top1_agreement"] == 1.0 and parity["max_abs_diff"] < 1e-4
+
+
+def test_lm_evals_onnxruntime_genai_backend_scores_the_fused_engine_like_ours(fused_engine: Artifact) -> None:
+    """lm-eval's own ``onnxruntime-genai`` model loads the engine folder through its
+    genai_config.json and gives the log-likelihoods our ``pipeline-engine`` model gives."""
+    pytest.importorskip("onnxruntime_genai")
+    from lm_eval.api.registry import get_model
+
+    from evals.lm_model import EngineLM
+
+    class Req:
+        def __init__(self, *args: str) -> None:
+            self.args = args
+
+    requests = [Req("The quick brown fox", c) for c in (" jumps over the lazy dog", " counts one, two")]
+    theirs = get_model("onnxruntime-genai")(pretrained=str(fused_engine.path), execution_provider="cpu")
+    ours = EngineLM(engine=str(fused_engine.path))
+    expected = ours.loglikelihood(requests, disable_tqdm=True)
+    actual = theirs.loglikelihood(requests, disable_tqdm=True)
+    for (mine, greedy_mine), (other, greedy_other) in zip(expected, actual, strict=True):
+        assert other == pytest.approx(mine, abs=1e-3)
+        assert greedy_other == greedy_mine
