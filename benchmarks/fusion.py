@@ -42,6 +42,7 @@ from quantization import (
     build_builder_model,
     build_recipe,
     make_prompt,
+    timing_record,
 )
 
 from pipeline.runtime.generate import GenerationConfig
@@ -97,13 +98,7 @@ def measure(rows: list[Contestant], args: argparse.Namespace) -> dict[str, Any]:
                     row.samples.setdefault(key, []).append(value)
             bar.update()
     bar.close()
-    return {
-        "load_average": {
-            "before": [round(x, 2) for x in load_before],
-            "after": [round(x, 2) for x in os.getloadavg()],
-        },
-        "seconds": round(time.perf_counter() - started, 1),
-    }
+    return timing_record(load_before, started)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

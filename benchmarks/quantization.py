@@ -452,6 +452,11 @@ def measure_speed(rows: list[Contestant], args: argparse.Namespace) -> dict[str,
                 r.samples.setdefault("tpot", []).append(statistics.mean(result.step_seconds))
             bar.update()
     bar.close()
+    return timing_record(load_before, started)
+
+
+def timing_record(load_before: tuple[float, float, float], started: float) -> dict[str, Any]:
+    """Load average before and now, and the seconds since ``started`` (perf_counter)."""
     return {
         "load_average": {
             "before": [round(x, 2) for x in load_before],

@@ -93,3 +93,20 @@ def tiny_engine(tiny_graph: Artifact, tmp_path_factory: pytest.TempPathFactory) 
     out = tmp_path_factory.mktemp("tiny-engine")
     OrtCpuBuildPass().run(tiny_graph, out)
     return Artifact.from_dir(Kind.ENGINE, out)
+
+
+def genai_greedy_tokens(engine_folder: Path, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens ONNX Runtime GenAI's own generator makes from an engine folder."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(engine_folder))
+    params = og.GeneratorParams(model)
+    length = len(prompt) + new_tokens
+    params.set_search_options(max_length=length, min_length=length, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return tokens

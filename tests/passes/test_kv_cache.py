@@ -16,6 +16,7 @@ from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import EngineError, PassError
 from pipeline.runtime.generate import GenerationConfig
 from pipeline.runtime.ort import Engine, OrtModel, graph_io
+from tests.conftest import genai_greedy_tokens
 
 WINDOW = 4
 
@@ -142,17 +143,8 @@ def test_an_engine_whose_layout_its_graph_cannot_run_is_refused(
 
 
 def test_onnxruntime_genai_runs_the_shared_buffer_engine(tiny_graph: Artifact, tmp_path: Path) -> None:
-    og = pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("onnxruntime_genai")
     engine = build(layout(tiny_graph, tmp_path, layout="shared"), tmp_path / "engine", max_length=64)
     prompt = [1, 40, 41, 42, 43, 44]
     ours = Engine(engine.path).generate_ids([prompt], GenerationConfig(max_new_tokens=10, stop_at_eos=False))
-    model = og.Model(str(engine.path))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + 10, min_length=len(prompt) + 10, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(prompt)
-    theirs = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        theirs.append(int(generator.get_next_tokens()[0]))
-    assert theirs == ours.tokens[0]
+    assert genai_greedy_tokens(engine.path, prompt, 10) == ours.tokens[0]

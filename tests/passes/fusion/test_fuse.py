@@ -15,6 +15,7 @@ from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import PassError
 from pipeline.runtime.generate import GenerationConfig
 from pipeline.runtime.ort import Engine, OrtModel, graph_io
+from tests.conftest import genai_greedy_tokens
 
 
 @pytest.fixture(scope="module")
@@ -110,21 +111,11 @@ def test_unequal_prompts_on_a_right_padding_engine_decode_as_if_alone(
 
 
 def test_onnxruntime_genai_generates_our_greedy_tokens_from_the_fused_engine(fused_engine: Artifact) -> None:
-    og = pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("onnxruntime_genai")
     prompt = [1, 40, 41, 42, 43, 44, 45, 46]
-    ours = Engine(fused_engine.path).generate_ids(
-        [prompt], GenerationConfig(max_new_tokens=8, stop_at_eos=False)
-    )
-    model = og.Model(str(fused_engine.path))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + 8, do_sample=False, min_length=len(prompt) + 8)
-    generator = og.Generator(model, params)
-    generator.append_tokens(prompt)
-    theirs = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        theirs.append(int(generator.get_next_tokens()[0]))
-    assert theirs == ours.tokens[0]
+    config = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
+    ours = Engine(fused_engine.path).generate_ids([prompt], config)
+    assert genai_greedy_tokens(fused_engine.path, prompt, 8) == ours.tokens[0]
 
 
 def test_fusion_keeps_the_io_spec_fields(fused_graph: tuple[Artifact, dict], tiny_graph: Artifact) -> None:
