@@ -10,7 +10,8 @@
 - ``window=N``: sliding-window attention (Beltagy et al. 2020, "Longformer"; Mistral's
   ``sliding_window``): each token attends to itself and the N-1 tokens before it. The fusion
   pass gives GroupQueryAttention ``local_window_size``; an unfused graph cannot honour it and
-  the build refuses it.
+  the build refuses it. It bounds attention, not memory (yet): the cache still keeps every token
+  (concat) or ``max_length`` positions (shared).
 - ``paged_block_size``: the block size a paged runtime (TensorRT's) allocates the cache in;
   recorded for that runtime, unused by ONNX Runtime on CPU.
 
