@@ -140,8 +140,8 @@ class OrtCpuBuildPass(Pass):
         model_max = int(metadata.get("max_length", 2048))
         max_length = min(self.config.max_length, model_max) if self.config.max_length else model_max
         threads = self.config.intra_op_num_threads
-        kv = metadata.get("kv_cache", {})
         write_json(out_dir / GENAI_CONFIG, genai_config(metadata, max_length, threads))
+        kv = metadata.get("kv_cache", {})
         write_json(
             out_dir / ENGINE_FILE,
             {

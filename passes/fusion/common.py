@@ -1,4 +1,4 @@
-"""Helpers the fusion rules share: reading constants and the model's shape facts."""
+"""Helpers the fusion rules share: reading constants and adding initializers."""
 
 from __future__ import annotations
 
@@ -10,18 +10,21 @@ import onnx_ir as ir
 
 def constant_array(value: ir.Value | None) -> np.ndarray | None:
     """The value's constant content (initializer or ``Constant`` node), else None."""
-    if value is None:
-        return None
-    tensor = value.const_value
-    if tensor is None:
-        producer = value.producer()
-        if producer is None or producer.op_type != "Constant" or producer.domain not in ("", "ai.onnx"):
-            return None
-        attribute = producer.attributes.get("value")
-        if attribute is None:
-            return None
-        tensor = attribute.as_tensor()
-    return tensor.numpy()
+    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    return None if tensor is None else tensor.numpy()
+
+
+def add_initializer(graph: ir.Graph, array: np.ndarray, name: str) -> ir.Value:
+    """Register ``array`` as a new initializer of ``graph`` named ``name`` (made unique)."""
+    unique, index = name, 0
+    while unique in graph.initializers:
+        index += 1
+        unique = f"{name}_{index}"
+    tensor = ir.tensor(array, name=unique)
+    value = ir.Value(name=unique, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
+    value.const_value = tensor
+    graph.register_initializer(value)
+    return value
 
 
 def constant_scalar(value: ir.Value | None) -> Any:

@@ -181,7 +181,6 @@ class FusionPass(Pass):
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         import onnx_ir as ir
         import onnx_ir.passes.common as common_passes
-        from onnxscript.optimizer import optimize
 
         window = int(source.metadata.get("kv_cache", {}).get("window", 0))
         facts = ModelFacts.from_config(json.loads((source.path / "config.json").read_text()), window)
@@ -189,11 +188,7 @@ class FusionPass(Pass):
         rewrites: dict[str, int] = {}
         with phases("fusion", len(steps)) as phase:
             phase("optimize")
-            model = ir.load(source.path / MODEL_FILE)
-            annotate_contrib_shapes(model)
-            common_passes.ShapeInferencePass()(model)
-            optimize(model)
-            common_passes.CommonSubexpressionEliminationPass()(model)
+            model = prepare(ir.load(source.path / MODEL_FILE))
             nodes_before = len(model.graph)
             for rule in self.config.rules:
                 phase(rule)
@@ -202,7 +197,7 @@ class FusionPass(Pass):
             common_passes.RemoveUnusedNodesPass()(model)
             common_passes.CommonSubexpressionEliminationPass()(model)
             qdq_copies = duplicate_shared_dequantize(model.graph)  # after the last CSE
-            has_positions = _drop_unused_input(model.graph, "position_ids")
+            has_positions = drop_unused_input(model.graph, "position_ids")
             ops = {node.op_type for node in model.graph}
             ir.save(model, out_dir / MODEL_FILE, external_data=DATA_FILE)
         copy_graph_folder(source.path, out_dir, skip=(MODEL_FILE, DATA_FILE, ARTIFACT_FILE))
@@ -299,6 +294,19 @@ def _exact_copy(folder: Path, out: Path) -> Path:
     return out
 
 
+def prepare(model: Any) -> Any:
+    """The graph as the rules expect it: contrib-op shapes annotated, shapes inferred, constants
+    folded (onnxscript's optimizer) and common subexpressions eliminated."""
+    import onnx_ir.passes.common as common_passes
+    from onnxscript.optimizer import optimize
+
+    annotate_contrib_shapes(model)
+    common_passes.ShapeInferencePass()(model)
+    optimize(model)
+    common_passes.CommonSubexpressionEliminationPass()(model)
+    return model
+
+
 def annotate_contrib_shapes(model: Any) -> int:
     """Give ``MatMulNBits`` outputs their shape and type, which ONNX shape inference cannot
     infer for a contrib op, so inference carries on through quantized layers and the rules can
@@ -324,7 +332,7 @@ def annotate_contrib_shapes(model: Any) -> int:
     return annotated
 
 
-def _drop_unused_input(graph: Any, name: str) -> bool:
+def drop_unused_input(graph: Any, name: str) -> bool:
     """Remove graph input ``name`` if nothing reads it any more; return whether it remains."""
     value = next((v for v in graph.inputs if v.name == name), None)
     if value is None:

@@ -20,28 +20,10 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from passes.fusion.common import constant_array
+from passes.fusion.common import add_initializer, constant_array
 
 MS = "com.microsoft"
 SAME_ATTRIBUTES = ("K", "bits", "block_size", "accuracy_level")
-
-
-class _Initializers:
-    """Registers the packed weights on the graph under unique names."""
-
-    def __init__(self, graph: ir.Graph) -> None:
-        self.graph = graph
-
-    def add(self, array: np.ndarray, hint: str) -> ir.Value:
-        name, index = f"{hint}_qkv", 0
-        while name in self.graph.initializers:
-            index += 1
-            name = f"{hint}_qkv_{index}"
-        tensor = ir.tensor(array, name=name)
-        value = ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
-        value.const_value = tensor
-        self.graph.register_initializer(value)
-        return value
 
 
 def _gqa(op: Any, query: Any, key: Any, value: Any, *rest: Any) -> Any:
@@ -57,9 +39,9 @@ def _gqa(op: Any, query: Any, key: Any, value: Any, *rest: Any) -> Any:
 
 
 class PackedQkvMatMul(pattern.RewriteRuleClassBase):
-    def __init__(self, initializers: _Initializers) -> None:
+    def __init__(self, graph: ir.Graph) -> None:
         super().__init__("PackedQkvMatMul", remove_nodes=True)
-        self._initializers = initializers
+        self._graph = graph
 
     def pattern(
         self,
@@ -99,15 +81,15 @@ class PackedQkvMatMul(pattern.RewriteRuleClassBase):
         attended: Any,
         **_: Any,
     ) -> Any:
-        weight = self._initializers.add(self._packed, wq.name or "proj")
+        weight = add_initializer(self._graph, self._packed, f"{wq.name or 'proj'}_qkv")
         qkv = op.MatMul(x, weight)
         return _packed_gqa(op, attended, qkv, pk, pv, sk, tl, cos, sin)
 
 
 class PackedQkvMatMulNBits(pattern.RewriteRuleClassBase):
-    def __init__(self, initializers: _Initializers) -> None:
+    def __init__(self, graph: ir.Graph) -> None:
         super().__init__("PackedQkvMatMulNBits", remove_nodes=True)
-        self._initializers = initializers
+        self._graph = graph
 
     def pattern(self, op: Any, x: Any, pk: Any, pv: Any, sk: Any, tl: Any, cos: Any, sin: Any) -> Any:
         def nbits(name: str) -> Any:
@@ -141,7 +123,10 @@ class PackedQkvMatMulNBits(pattern.RewriteRuleClassBase):
     def rewrite(
         self, op: Any, x: Any, pk: Any, pv: Any, sk: Any, tl: Any, cos: Any, sin: Any, attended: Any, **_: Any
     ) -> Any:
-        tensors = [self._initializers.add(array, f"{self._hint}_{i}") for i, array in enumerate(self._packed)]
+        tensors = [
+            add_initializer(self._graph, array, f"{self._hint}_{i}_qkv")
+            for i, array in enumerate(self._packed)
+        ]
         qkv = op.MatMulNBits(x, *tensors, **self._attributes, _domain=MS)
         return _packed_gqa(op, attended, qkv, pk, pv, sk, tl, cos, sin)
 
@@ -152,7 +137,4 @@ def _packed_gqa(op: Any, attended: Any, qkv: Any, *rest: Any) -> Any:
 
 
 def packed_qkv_rules(graph: ir.Graph) -> pattern.RewriteRuleSet:
-    initializers = _Initializers(graph)
-    return pattern.RewriteRuleSet(
-        [PackedQkvMatMul.rule(initializers), PackedQkvMatMulNBits.rule(initializers)]
-    )
+    return pattern.RewriteRuleSet([PackedQkvMatMul.rule(graph), PackedQkvMatMulNBits.rule(graph)])

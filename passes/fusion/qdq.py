@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from passes.fusion.common import add_initializer
+
 
 def duplicate_shared_dequantize(graph: ir.Graph) -> int:
     """Give every consumer its own ``QuantizeLinear -> DequantizeLinear`` chain: clone each DQ
@@ -58,10 +60,4 @@ def _own_copy(graph: ir.Graph, value: ir.Value | None, index: int) -> ir.Value |
     """A new initializer with ``value``'s constant content (``value`` itself if not constant)."""
     if value is None or value.const_value is None or not value.is_initializer():
         return value
-    name = f"{value.name}_consumer{index}"
-    while name in graph.initializers:
-        name += "_"
-    copy = ir.Value(name=name, shape=value.shape, type=value.type)
-    copy.const_value = ir.tensor(value.const_value.numpy().copy(), name=name)
-    graph.register_initializer(copy)
-    return copy
+    return add_initializer(graph, value.const_value.numpy().copy(), f"{value.name}_consumer{index}")

@@ -19,7 +19,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from passes.fusion.common import constant_array, constant_scalar
+from passes.fusion.common import add_initializer, constant_array, constant_scalar
 
 INT64_MAX = 9223372036854775807
 
@@ -37,14 +37,10 @@ class RotaryTables:
         if key not in self._made:
             positions = np.arange(self.max_positions, dtype=np.float32)[:, None]
             angles = positions * inv_freq.astype(np.float32).reshape(1, -1)
-            suffix = f"_{len(self._made)}" if self._made else ""
-            values = []
-            for name, table in (("cos_cache", np.cos(angles)), ("sin_cache", np.sin(angles))):
-                tensor = ir.tensor((table * scaling).astype(np.float32), name=f"{name}{suffix}")
-                value = ir.Value(name=tensor.name, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
-                value.const_value = tensor
-                self.graph.register_initializer(value)
-                values.append(value)
+            values = [
+                add_initializer(self.graph, (table * scaling).astype(np.float32), name)
+                for name, table in (("cos_cache", np.cos(angles)), ("sin_cache", np.sin(angles)))
+            ]
             self._made[key] = (values[0], values[1])
         return self._made[key]
 

@@ -12,20 +12,14 @@ from typing import Any
 import pytest
 
 from passes.export import DATA_FILE, MODEL_FILE
-from passes.fusion.fuse import ModelFacts, compare_decoding
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
+from passes.fusion.fuse import ModelFacts, compare_decoding, drop_unused_input, prepare
+from pipeline.artifacts import Artifact, Kind, read_metadata, write_metadata
 
 
 def prepared_model(graph: Artifact) -> Any:
     import onnx_ir as ir
-    import onnx_ir.passes.common as common_passes
-    from onnxscript.optimizer import optimize
 
-    model = ir.load(graph.path / MODEL_FILE)
-    common_passes.ShapeInferencePass()(model)
-    optimize(model)
-    common_passes.CommonSubexpressionEliminationPass()(model)
-    return model
+    return prepare(ir.load(graph.path / MODEL_FILE))
 
 
 def save_beside(model: Any, graph: Artifact, out: Path) -> Path:
@@ -34,19 +28,13 @@ def save_beside(model: Any, graph: Artifact, out: Path) -> Path:
     import onnx_ir.passes.common as common_passes
 
     common_passes.RemoveUnusedNodesPass()(model)
+    has_positions = drop_unused_input(model.graph, "position_ids")
     out.mkdir(parents=True, exist_ok=True)
     ir.save(model, out / MODEL_FILE, external_data=DATA_FILE)
     metadata = read_metadata(graph.path)
-    names = {value.name for value in model.graph.inputs}
-    positions_used = any(v.name == "position_ids" and v.uses() for v in model.graph.inputs)
-    if "position_ids" in names and not positions_used:
-        model.graph.inputs.remove(next(v for v in model.graph.inputs if v.name == "position_ids"))
-        ir.save(model, out / MODEL_FILE, external_data=DATA_FILE)
-    metadata["io"] = {**metadata["io"], "has_position_ids": positions_used}
+    metadata["io"] = {**metadata["io"], "has_position_ids": has_positions}
     write_metadata(out, Kind.GRAPH, metadata)
-    for name in ("config.json",):
-        shutil.copy2(graph.path / name, out / name)
-    assert (out / ARTIFACT_FILE).is_file()
+    shutil.copy2(graph.path / "config.json", out / "config.json")
     return out
 
 

@@ -130,12 +130,7 @@ def test_an_int4_matmulnbits_graph_fuses_fully(
     """Shape inference stops at the contrib op MatMulNBits; the pass annotates its outputs so the
     rules still see [batch, seq, hidden]. At accuracy_level 4 (int8 activations) the rewrite is
     judged on exact-arithmetic copies, and the as-built agreement is reported beside it."""
-    from passes.matmulnbits import Int4LoweringPass
-
-    lowering = Int4LoweringPass(group_size=32, accuracy_level=accuracy_level)
-    (tmp_path / "int4").mkdir()
-    lowering.run(tiny_graph, tmp_path / "int4")
-    int4 = Artifact.from_dir(Kind.GRAPH, tmp_path / "int4")
+    int4 = int4_graph(tiny_graph, tmp_path / "int4", accuracy_level)
     fusion = FusionPass()
     (tmp_path / "fused").mkdir()
     metrics = fusion.run(int4, tmp_path / "fused")
@@ -151,7 +146,13 @@ def test_an_int4_matmulnbits_graph_fuses_fully(
     assert ("parity_as_built" in checked) == bool(accuracy_level)
 
 
-ALL_RULES = ["rms_norm", "skip_rms_norm", "rotary_embedding", "group_query_attention", "packed_qkv"]
+def int4_graph(graph: Artifact, out: Path, accuracy_level: int) -> Artifact:
+    """``graph`` lowered to MatMulNBits by round-to-nearest INT4 (blocks of 32)."""
+    from passes.matmulnbits import Int4LoweringPass
+
+    out.mkdir()
+    Int4LoweringPass(group_size=32, accuracy_level=accuracy_level).run(graph, out)
+    return Artifact.from_dir(Kind.GRAPH, out)
 
 
 @pytest.mark.parametrize("lowering", ["fp32", "int4"])
@@ -160,14 +161,8 @@ def test_packed_qkv_merges_the_three_projections(tiny_graph: Artifact, tmp_path:
     GroupQueryAttention's packed form; the logits stay those of the unfused graph."""
     import onnx
 
-    from passes.matmulnbits import Int4LoweringPass
-
-    graph = tiny_graph
-    if lowering == "int4":
-        (tmp_path / "int4").mkdir()
-        Int4LoweringPass(group_size=32, accuracy_level=0).run(tiny_graph, tmp_path / "int4")
-        graph = Artifact.from_dir(Kind.GRAPH, tmp_path / "int4")
-    fusion = FusionPass(rules=ALL_RULES)
+    graph = int4_graph(tiny_graph, tmp_path / "int4", 0) if lowering == "int4" else tiny_graph
+    fusion = FusionPass()  # the default rule set ends with packed_qkv
     (tmp_path / "fused").mkdir()
     metrics = fusion.run(graph, tmp_path / "fused")
     assert metrics["rewrites"]["packed_qkv"] == 2
