@@ -16,7 +16,7 @@ One run builds, with the real CLI (``python -m pipeline ... bench=none``, cached
 then runs ``python -m pipeline.gate`` on each pair and prints one table: pair, expectation, per
 suite the difference with its 95% CI and McNemar p-value, and the verdict.
 
-    python benchmarks/gate_power.py --eval quick [--limit N] [--json out.json]
+    python benchmarks/gate_power.py --eval quick [--limit N] [--pairs swapped ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -134,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval", default="quick", help="configs/eval option (quick | full)")
     parser.add_argument("--limit", type=int, help="items a suite (default: all of the size)")
     parser.add_argument("--set", nargs="*", default=[], help="more gate overrides, e.g. 'suites=[reasoning]'")
+    parser.add_argument(
+        "--pairs",
+        nargs="*",
+        choices=[cand for _, _, cand, _ in PAIRS],
+        help="only the pairs with these candidates (default: all)",
+    )
     parser.add_argument("--swap", type=int, default=10, help="swap decoder layers N and N+1")
     parser.add_argument("--window", type=int, default=256, help="sliding window of the window build")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -154,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     runs["window"] = build(f"window-{args.window}", window, out)
     rows = []
     for label, base, cand, expected in PAIRS:
+        if args.pairs and cand not in args.pairs:
+            continue
         row: dict[str, Any] = {"pair": label, "baseline": base, "candidate": cand, "expected": expected}
         if runs.get(base) is None or runs.get(cand) is None:
             row.update(status="failed", note="a build failed: see its log")

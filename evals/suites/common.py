@@ -4,10 +4,11 @@ multiple-choice helpers.
 
 Determinism: item ``k`` of group ``g`` (a category, or a length and a task) of a suite draws from
 its own stream, ``random.Random("<suite>:<seed>:<group>:<k>")`` (a string seed is hashed with
-SHA-512 by CPython, independent of ``PYTHONHASHSEED``). An item therefore depends only on its
-group and index, never on how many other items are generated: ``quick`` (the first N items of
-each group) is a subset of ``full`` with the same ids, and any size shares its items with every
-larger one.
+SHA-512 by CPython, independent of ``PYTHONHASHSEED``); an item whose prompt repeats an earlier
+one of its group is redrawn from ``"...:<k>:<attempt>"`` (``unique_draw``). An item therefore
+depends only on its group, its index and the items before it, never on how many are generated
+after it: ``quick`` (the first N items of each group) is a subset of ``full`` with the same ids,
+and any size shares its items with every larger one.
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 # Bump when a generator changes what it produces; MANIFEST.json records the version it was
 # frozen with, and the loader refuses a mismatch.
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 # The seed of the frozen files.
 SEED = 2024
 SIZES = ("quick", "full")
 WRITE_HINT = "regenerate with `python -m evals.suites --write`"
+T = TypeVar("T")
 
 
 class SuiteError(ValueError):
@@ -140,9 +142,40 @@ def plan(size: str | int, full: Mapping[str, int], quick: int | Mapping[str, int
     return counts
 
 
-def item_rng(suite: str, seed: int, group: str, k: int) -> random.Random:
-    """The random stream of item ``k`` of ``group``."""
-    return random.Random(f"{suite}:{seed}:{group}:{k}")
+def item_rng(suite: str, seed: int, group: str, k: int, attempt: int = 0) -> random.Random:
+    """The random stream of item ``k`` of ``group`` (``attempt`` > 0: a redraw, see
+    ``unique_draw``)."""
+    return random.Random(f"{suite}:{seed}:{group}:{k}" + (f":{attempt}" if attempt else ""))
+
+
+# Redraws of one item before a group is declared too small for its count of distinct prompts.
+MAX_ATTEMPTS = 1000
+
+
+def unique_draw(
+    suite: str,
+    seed: int,
+    group: str,
+    k: int,
+    make: Callable[[random.Random], T],
+    prompt_of: Callable[[T], str],
+    seen: set[str],
+) -> tuple[random.Random, T]:
+    """``make(rng)`` for item ``k`` of ``group``, redrawn with a fresh stream until its prompt is
+    not in ``seen`` (then added). A repeated prompt is the same question counted twice: a
+    deterministic engine answers both copies alike, so the paired statistics would see more
+    evidence than the suite holds. The first draw is ``item_rng(..., k)``, so an item that was
+    already unique keeps its text."""
+    for attempt in range(MAX_ATTEMPTS):
+        rng = item_rng(suite, seed, group, k, attempt)
+        made = make(rng)
+        if prompt_of(made) not in seen:
+            seen.add(prompt_of(made))
+            return rng, made
+    raise SuiteError(
+        f"{suite}/{group}: no new prompt for item {k} in {MAX_ATTEMPTS} draws: "
+        "the group's templates cannot make that many distinct items; lower its count"
+    )
 
 
 def item_id(suite: str, group: str, k: int) -> str:

@@ -15,8 +15,11 @@ Categories:
   in turn so any first N items cover them all.
 - ``comparison``: order on the number line: the number just after / just before a two-digit
   number (the asks alternate).
-- ``logic``: the truth value of a Boolean expression (not, and, or, two-operator forms); the
-  right value is True for half the items and False for the other half.
+- ``logic``: the truth value of a Boolean expression (16 forms of one to four operands built
+  from not, and, or); the right value is True for half the items and False for the other half.
+
+No prompt repeats within a category (``common.unique_draw``): a repeated question would count
+one answer twice in the gate's paired statistics.
 
 Log-likelihood ranking (tuned on SmolLM2-135M-Instruct, the default model: it ranks bare
 numbers, names or statements at chance, but ranks whole equations by their arithmetic). Every
@@ -44,13 +47,17 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from operator import itemgetter
 from typing import Any
 
-from evals.suites.common import SEED, Item, item_id, item_rng, pick_choices, plan
+from evals.suites.common import SEED, Item, item_id, pick_choices, plan, unique_draw
 from evals.suites.words import PEOPLE, PRONOUNS, THINGS
 
 NAME = "reasoning"
-FULL = {"arithmetic": 150, "word_problem": 250, "comparison": 100, "logic": 100}
+# 800 distinct items: the swap of two decoder layers showed 23% discordant pairs, and seeing a
+# 5-point drop at that discordance takes 720 (evals/stats.py items_needed).
+FULL = {"arithmetic": 250, "word_problem": 350, "comparison": 100, "logic": 100}
 QUICK = 12  # per category: 48 items
 DEFAULTS: dict[str, Any] = {"n_choices": 3, "digits": 1, "scale": 1}
 MUL, DIV = "*", "/"  # the multiplication and division signs of the prompts (ASCII: small models read them)
@@ -369,7 +376,28 @@ def _comparison(rng: random.Random, k: int, params: Vars) -> tuple[str, Vars, st
     return prompt, meta, str(answer), choices, index
 
 
-LOGIC_FORMS = ("not", "and", "or", "and_not", "or_and", "not_or")
+# Boolean forms over up to four operands (x, y, z, w), each a template and its value. Together
+# they hold 55 distinct true and 59 distinct false expressions, room for ``FULL["logic"]``
+# distinct items alternating true and false.
+LogicForm = tuple[str, Callable[[bool, bool, bool, bool], bool]]
+LOGIC_FORMS: dict[str, LogicForm] = {
+    "not": ("not {x}", lambda x, y, z, w: not x),
+    "and": ("{x} and {y}", lambda x, y, z, w: x and y),
+    "or": ("{x} or {y}", lambda x, y, z, w: x or y),
+    "and_not": ("{x} and not {y}", lambda x, y, z, w: x and not y),
+    "or_not": ("{x} or not {y}", lambda x, y, z, w: x or not y),
+    "not_and": ("not ({x} and {y})", lambda x, y, z, w: not (x and y)),
+    "not_or": ("not ({x} or {y})", lambda x, y, z, w: not (x or y)),
+    "not_and_not": ("not {x} and not {y}", lambda x, y, z, w: not x and not y),
+    "and3": ("{x} and {y} and {z}", lambda x, y, z, w: x and y and z),
+    "or3": ("{x} or {y} or {z}", lambda x, y, z, w: x or y or z),
+    "or_and": ("({x} or {y}) and {z}", lambda x, y, z, w: (x or y) and z),
+    "and_or": ("({x} and {y}) or {z}", lambda x, y, z, w: (x and y) or z),
+    "and_paren_or": ("{x} and ({y} or {z})", lambda x, y, z, w: x and (y or z)),
+    "or_and_not": ("({x} or {y}) and not {z}", lambda x, y, z, w: (x or y) and not z),
+    "and_or_and": ("({x} and {y}) or ({z} and {w})", lambda x, y, z, w: (x and y) or (z and w)),
+    "or_and_or": ("({x} or {y}) and ({z} or {w})", lambda x, y, z, w: (x or y) and (z or w)),
+}
 
 
 def _bool(value: bool) -> str:
@@ -378,22 +406,16 @@ def _bool(value: bool) -> str:
 
 def _logic(rng: random.Random, k: int, params: Vars) -> tuple[str, Vars, str, list[str], int]:
     """The value of a Boolean expression; True for even ``k``, False for odd, so always
-    answering one value scores a half."""
-    form = LOGIC_FORMS[(k // 2) % len(LOGIC_FORMS)]
+    answering one value scores a half. The form and the operands are drawn until the value is
+    the one wanted."""
     want = k % 2 == 0
     while True:
-        x, y, z = (rng.random() < 0.5 for _ in range(3))
-        X, Y, Z = _bool(x), _bool(y), _bool(z)
-        expr, value = {
-            "not": (f"not {X}", not x),
-            "and": (f"{X} and {Y}", x and y),
-            "or": (f"{X} or {Y}", x or y),
-            "and_not": (f"{X} and not {Y}", x and not y),
-            "or_and": (f"({X} or {Y}) and {Z}", (x or y) and z),
-            "not_or": (f"not ({X} or {Y})", not (x or y)),
-        }[form]
-        if value == want:
+        form = rng.choice(sorted(LOGIC_FORMS))
+        template, value_of = LOGIC_FORMS[form]
+        operands = [rng.random() < 0.5 for _ in range(4)]
+        if value_of(*operands) == want:
             break
+    expr = template.format(**{name: _bool(v) for name, v in zip("xyzw", operands, strict=True)})
     choices = [(f"{expr} = {_bool(v)}", "correct" if v == want else "negation") for v in (True, False)]
     rng.shuffle(choices)
     texts = [t for t, _ in choices]
@@ -424,10 +446,13 @@ def generate(size: str | int = "full", seed: int = SEED, **params: Any) -> list[
     if not 2 <= settings["n_choices"] <= 4:
         raise ValueError("reasoning: n_choices is 2 to 4 (comparison has at most 3 candidates, logic 2)")
     items = []
+    seen: dict[str, set[str]] = {category: set() for category in FULL}
     for category, count in plan(size, FULL, QUICK).items():
         for k in range(count):
-            rng = item_rng(NAME, seed, category, k)
-            prompt, meta, target, choices, answer = MAKERS[category](rng, k, settings)
+            make = partial(MAKERS[category], k=k, params=settings)
+            _, (prompt, meta, target, choices, answer) = unique_draw(
+                NAME, seed, category, k, make, itemgetter(0), seen[category]
+            )
             meta["k"] = k
             items.append(
                 Item(item_id(NAME, category, k), NAME, category, prompt, choices, answer, target, meta)

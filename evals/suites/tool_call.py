@@ -25,6 +25,8 @@ a number or boolean written as a string (wrong type), a required argument missin
 swapped, an unrequested optional argument, and for parallel requests a call missing, duplicated
 or merged into one. For ``irrelevance`` the no-call choice is ``[]`` among calls of the offered
 functions; ``[]`` never appears in the other categories. ``meta["choice_kinds"]`` names each.
+
+No prompt repeats within a category (``common.unique_draw``).
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
-from evals.suites.common import SEED, Item, item_id, item_rng, pick_choices, plan
+from evals.suites.common import SEED, Item, item_id, pick_choices, plan, unique_draw
 
 NAME = "tool_call"
 FULL = {"simple": 150, "multiple": 150, "parallel": 150, "irrelevance": 150}
@@ -804,6 +808,14 @@ def prompt_for(functions: list[dict[str, Any]], request: str) -> str:
     return INSTRUCTIONS.format(schemas=schemas, request=request)
 
 
+def _drawn(
+    rng: random.Random, maker: Callable[..., Any], k: int, settings: dict[str, Any]
+) -> tuple[Any, ...]:
+    """One draw of a maker, with the offered functions as schemas (what the prompt shows)."""
+    offered, request, calls, options = maker(rng, k, settings)
+    return [f.schema() for f in offered], request, calls, options
+
+
 def generate(size: str | int = "full", seed: int = SEED, **params: Any) -> list[Item]:
     """Items of the suite. ``params`` (difficulty): ``n_choices`` (candidate call lists per item,
     4) and ``n_functions`` (functions offered in ``multiple``, at most that many in
@@ -815,14 +827,16 @@ def generate(size: str | int = "full", seed: int = SEED, **params: Any) -> list[
     if settings["n_functions"] < 2:
         raise ValueError("tool_call: n_functions must be at least 2")
     items = []
+    seen: dict[str, set[str]] = {category: set() for category in FULL}
     for category, count in plan(size, FULL, QUICK).items():
         for k in range(count):
-            rng = item_rng(NAME, seed, category, k)
-            offered, request, calls, options = MAKERS[category](rng, k, settings)
+            make = partial(_drawn, maker=MAKERS[category], k=k, settings=settings)
+            rng, (schemas, request, calls, options) = unique_draw(
+                NAME, seed, category, k, make, lambda drawn: prompt_for(drawn[0], drawn[1]), seen[category]
+            )
             correct = call_text(calls)
             distractors = [(call_text(c), kind) for c, kind in options]
             choices, answer, kinds = pick_choices(rng, correct, distractors, settings["n_choices"])
-            schemas = [f.schema() for f in offered]
             meta = {
                 "functions": schemas,
                 "request": request,
