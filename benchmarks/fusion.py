@@ -4,6 +4,7 @@ against ONNX Runtime GenAI's model builder (fp32 and int4) on the same checkpoin
 Rows (each built with the real CLI, ``bench=none``, so reruns come from the pipeline cache):
 - ``fp32 unfused / concat``: ``quant=none`` (the export as is);
 - ``fp32 fused / concat`` and ``fp32 fused / shared``: ``fusion=ort kv_cache=concat|shared``;
+- ``... / int8 KV``: the shared layout with an int8 cache (``kv_cache.dtype=int8``);
 - ``int8 ...`` and ``<int4> ...``: the same for ``quant=int8`` (SmoothQuant W8A8) and
   ``quant=<int4 recipe>`` (int8 has no builder peer: its ratio column is against builder fp32);
 - ``builder fp32`` and ``builder int4``: ``python -m onnxruntime_genai.models.builder -p fp32|int4``
@@ -13,10 +14,12 @@ Rows (each built with the real CLI, ``bench=none``, so reruns come from the pipe
 Measured per row, interleaved per repeat (A B C ..., A B C ...), medians over ``--repeats`` after
 ``--warmup``: TTFT (prefill + first token) at ``--ttft`` lengths; TPOT (mean time per decoded token
 over ``--decode-tokens``) after a prompt of each ``--contexts`` length; the KV cache's bytes at
-the longest context. Ratios are against the builder of the same precision (<1: we are faster).
+the longest context (a shared buffer holds ``max_length``), and the peak RSS of a fresh process
+that loads the engine and decodes after the longest context (``--no-memory`` skips it). Ratios
+are against the builder of the same precision (<1: we are faster).
 
     python benchmarks/fusion.py [--contexts 256 1024 4096] [--ttft 512 2048] [--repeats 3]
-        [--warmup 1] [--threads 2] [--int4 int4_awq] [--json out.json]
+        [--warmup 1] [--threads 2] [--int4 int4_awq] [--only 'fp32 fused'] [--json out.json]
 """
 
 from __future__ import annotations
@@ -61,13 +64,57 @@ def rows_to_build(int4: str) -> list[tuple[str, str, tuple[str, ...], str]]:
         ("int8 fused / shared", "int8", ("fusion=ort", "kv_cache=shared"), "int8"),
         (f"{int4} unfused / concat", int4, (), "int4"),
         (f"{int4} fused / shared", int4, ("fusion=ort", "kv_cache=shared"), "int4"),
+        (
+            "fp32 fused / shared / int8 KV",
+            "none",
+            ("fusion=ort", "kv_cache=shared", "kv_cache.dtype=int8"),
+            "fp32",
+        ),
+        (
+            f"{int4} fused / shared / int8 KV",
+            int4,
+            ("fusion=ort", "kv_cache=shared", "kv_cache.dtype=int8"),
+            "int4",
+        ),
     ]
 
 
+# Peak memory is measured in a fresh process per engine (ru_maxrss never goes down): load, one
+# prefill of N tokens, two decode steps. Printed: peak RSS after loading and at the end, bytes.
+PEAK_RSS_CHILD = """
+import resource, sys
+from pipeline.runtime.generate import GenerationConfig
+from pipeline.runtime.ort import Engine
+engine = Engine(sys.argv[1], threads=int(sys.argv[3]))
+loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+n = int(sys.argv[2])
+prompt = [[(7919 * i) % engine.io.vocab_size for i in range(n)]]
+engine.generate_ids(prompt, GenerationConfig(max_new_tokens=2, stop_at_eos=False))
+print(loaded, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def peak_rss(folder: Path, tokens: int, threads: int) -> dict[str, int]:
+    """Peak resident memory of a fresh process that loads the engine and decodes after ``tokens``."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS_CHILD, str(folder), str(tokens), str(threads)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
+    loaded, peak = (int(x) for x in done.stdout.split()[-2:])
+    return {"after_load": loaded, "peak": peak}
+
+
 def kv_bytes(engine: Engine, tokens: int) -> int:
+    """Bytes the cache holds at ``tokens`` tokens (a shared layout preallocates ``max_length``)."""
     io = engine.io
     itemsize = np.dtype(io.kv_dtype).itemsize
-    return 2 * io.num_layers * io.num_kv_heads * io.head_dim * tokens * itemsize
+    held = engine.max_length if io.kv_layout == "shared" else tokens
+    return 2 * io.num_layers * io.num_kv_heads * io.head_dim * held * itemsize
 
 
 def measure(rows: list[Contestant], args: argparse.Namespace) -> dict[str, Any]:
@@ -107,6 +154,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[Contestant] = []
     precision: dict[str, str] = {}
     for label, recipe, overrides, prec in rows_to_build(args.int4):
+        if args.only and not any(part in label for part in args.only):
+            continue
         slug = label.replace(" / ", "-").replace(" ", "-")
         row = build_recipe(recipe, out, args.build_timeout, label=slug, overrides=overrides)
         row.name = label
@@ -142,6 +191,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             entry["median_ms"] = {k: round(1000 * statistics.median(v), 2) for k, v in row.samples.items()}
             entry["kv_cache_bytes_at_longest_context"] = kv_bytes(row.engine, max(args.contexts))
             entry["kv_layout"] = row.engine.io.kv_layout
+            entry["kv_dtype"] = row.engine.io.kv_dtype
+            if args.memory and row.kind != "builder":
+                entry["memory_bytes"] = peak_rss(row.folder, max(args.contexts), args.threads)  # type: ignore[arg-type]
             if row.manifest:
                 fusion = next((p for p in row.manifest["passes"] if p["name"] == "fusion"), None)
                 entry["fusion_rewrites"] = fusion["metrics"].get("rewrites") if fusion else None
@@ -173,16 +225,23 @@ def print_report(record: dict[str, Any], args: argparse.Namespace) -> None:
     for key in keys:
         table.add_column(key.replace("@", " @"), justify="right")
     table.add_column(f"KV MiB @{max(args.contexts)}", justify="right")
+    table.add_column(f"peak RSS MiB @{max(args.contexts)}", justify="right")
     for entry in record["rows"]:
         if entry["status"] != "ok":
-            table.add_row(entry["row"], *[entry["status"]] * len(keys), entry["note"])
+            table.add_row(entry["row"], *[entry["status"]] * len(keys), entry["note"], "")
             continue
         cells = []
         for key in keys:
             ms = entry["median_ms"][key]
             ratio = entry.get("vs_builder", {}).get(key)
             cells.append(f"{ms:.1f}" + (f" ({ratio:.2f}x)" if ratio is not None else ""))
-        table.add_row(entry["row"], *cells, f"{entry['kv_cache_bytes_at_longest_context'] / 2**20:.0f}")
+        memory = entry.get("memory_bytes")
+        table.add_row(
+            entry["row"],
+            *cells,
+            f"{entry['kv_cache_bytes_at_longest_context'] / 2**20:.0f}",
+            f"{memory['peak'] / 2**20:.0f}" if memory else "-",
+        )
     console = Console(width=160)
     console.print(table)
     timing = record["timing"]
@@ -206,6 +265,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--int4", default="int4_awq", help="the int4 recipe of our rows")
+    parser.add_argument("--only", nargs="+", help="only our rows whose label contains one of these")
+    parser.add_argument(
+        "--memory", action=argparse.BooleanOptionalAction, default=True, help="peak RSS per engine"
+    )
     parser.add_argument("--build-timeout", type=int, default=1800)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--json", type=Path)

@@ -124,12 +124,19 @@ class OrtCpuBuildPass(Pass):
         if "io" not in source.metadata or "tokens" not in source.metadata:
             raise PassError(f"build: {source.path} records no IO spec in artifact.json; re-run export")
         kv = source.metadata.get("kv_cache", {})
-        needs_gqa = kv.get("layout") == "shared" or bool(kv.get("window"))
-        if needs_gqa and "GroupQueryAttention" not in graph_ops(source.path / metadata_model_file(source)):
-            wanted = "kv_cache=shared" if kv.get("layout") == "shared" else f"kv_cache.window={kv['window']}"
+        wanted = [
+            option
+            for option, asked in (
+                ("kv_cache=shared", kv.get("layout") == "shared"),
+                (f"kv_cache.window={kv.get('window')}", bool(kv.get("window"))),
+                (f"kv_cache.dtype={kv.get('dtype')}", kv.get("dtype", "fp32") != "fp32"),
+            )
+            if asked
+        ]
+        if wanted and "GroupQueryAttention" not in graph_ops(source.path / metadata_model_file(source)):
             raise PassError(
-                f"build: {wanted} needs the attention fused to GroupQueryAttention (it updates the "
-                "buffer in place and bounds the window); add fusion=ort"
+                f"build: {', '.join(wanted)} needs the attention fused to GroupQueryAttention (it updates "
+                "the buffer in place, bounds the window and stores fp16/int8 caches); add fusion=ort"
             )
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
@@ -153,6 +160,8 @@ class OrtCpuBuildPass(Pass):
                     **metadata["io"],
                     "kv_layout": kv.get("layout", "concat"),
                     "window": kv.get("window", 0),
+                    # a window-sized shared buffer (0, the default: max_length positions)
+                    "kv_capacity": kv.get("capacity", 0),
                 },
                 "kv_cache": kv,
                 "tokens": metadata["tokens"],

@@ -10,10 +10,18 @@
 - ``window=N``: sliding-window attention (Beltagy et al. 2020, "Longformer"; Mistral's
   ``sliding_window``): each token attends to itself and the N-1 tokens before it. The fusion
   pass gives GroupQueryAttention ``local_window_size``; an unfused graph cannot honour it and
-  the build refuses it. It bounds attention, not memory (yet): the cache still keeps every token
-  (concat) or ``max_length`` positions (shared).
+  the build refuses it. With ``layout=shared`` it bounds memory too: the buffer holds
+  ``capacity`` = window + window // 4 positions (recorded), and GroupQueryAttention evicts the
+  oldest rows in place once it is full (its ``sliding_window_cache`` mode), so memory stays
+  constant past the window. With ``layout=concat`` the cache still keeps every token.
 - ``paged_block_size``: the block size a paged runtime (TensorRT's) allocates the cache in;
   recorded for that runtime, unused by ONNX Runtime on CPU.
+- ``dtype``: what the cache stores: ``fp32``; ``fp16`` (half the memory); ``int8`` (a quarter)
+  with one scale per KV head and channel, calibrated here: the graph runs on
+  ``calibration`` windows and the largest ``|K|`` and ``|V|`` of every layer, head and channel
+  (``amax``) is kept in ``kv_cache_amax.npz``; ``passes/fusion/kv_cache_dtype.py`` turns them
+  into GroupQueryAttention's scales (so fp16/int8 need ``fusion=ort``). ``fp8`` is refused for
+  the ``ort-cpu`` engine: ONNX Runtime has no CPU kernel for an fp8 cache.
 
 The pass changes no node: it records the layout in the graph's metadata, which the fusion pass,
 the build (``engine.json`` ``io.kv_layout``, ``genai_config.json``
@@ -24,11 +32,14 @@ onnx-ir refuses external data with several links.)
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from passes.fp8 import copy_graph_folder
+import numpy as np
+
+from calibration.datasets import CalibrationConfig, as_calibration, token_windows
+from passes.fp8 import calibration_feeds, copy_graph_folder
 from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
 from pipeline.base import Pass
 from pipeline.config import register_pass
@@ -41,8 +52,20 @@ class Layout(enum.StrEnum):
 
 
 class KvDtype(enum.StrEnum):
-    # int8/fp8 caches with calibrated per-head scales are not built yet (issue 5).
     fp32 = "fp32"
+    fp16 = "fp16"
+    int8 = "int8"
+    fp8 = "fp8"  # GroupQueryAttention's schema has it; ONNX Runtime 1.32 has no CPU kernel
+
+
+# Where the int8 calibration keeps its per-layer, per-head, per-channel amax (graph folder).
+AMAX_FILE = "kv_cache_amax.npz"
+
+
+def _kv_calibration() -> CalibrationConfig:
+    # 16 windows of 256 tokens: a channel's max over 4k tokens of text; the KV amax settles
+    # long before the activation histograms of the fp8/int8 recipes need their 64 windows.
+    return CalibrationConfig(num_samples=16)
 
 
 @dataclass
@@ -56,15 +79,19 @@ class KvCacheConfig:
     window: int = 0
     # Block size (tokens) for a paged cache; recorded for the TensorRT runtime.
     paged_block_size: int = 0
+    # Text the int8 scales are calibrated on (unused for fp32/fp16).
+    calibration: CalibrationConfig = field(default_factory=_kv_calibration)
 
 
 register_pass("kv_cache", "kv_cache", KvCacheConfig)
+
+KINDS = ("key", "value")  # present.<layer>.key, present.<layer>.value: the graph's output order
 
 
 class KvCachePass(Pass):
     Config = KvCacheConfig
     name = "kv_cache"
-    version = 1
+    version = 2
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
 
@@ -76,6 +103,12 @@ class KvCachePass(Pass):
             )
         if self.config.paged_block_size < 0:
             raise PassError(f"kv_cache.paged_block_size={self.config.paged_block_size} must be >= 0")
+        if self.config.dtype == KvDtype.fp8:
+            raise PassError(
+                "kv_cache.dtype=fp8: ONNX Runtime has no CPU kernel for an fp8 cache (the ort-cpu "
+                "engine); use kv_cache.dtype=int8 for a quarter of the fp32 memory, or fp16"
+            )
+        self.config.calibration = as_calibration(self.config.calibration)
 
     def requires(self, source: Artifact) -> None:
         if "io" not in source.metadata:
@@ -88,13 +121,60 @@ class KvCachePass(Pass):
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         copy_graph_folder(source.path, out_dir, skip=(ARTIFACT_FILE,))
-        layout = {
+        layout: dict[str, Any] = {
             "layout": Layout(self.config.layout).value,
             "dtype": KvDtype(self.config.dtype).value,
             "window": self.config.window,
             "paged_block_size": self.config.paged_block_size,
         }
+        if self.config.layout == Layout.shared and self.config.window:
+            layout["capacity"] = window_capacity(self.config.window)
+        result: dict[str, Any] = {}
+        if self.config.dtype == KvDtype.int8:
+            amax, tokens = calibrate_amax(source.path, self.config.calibration)
+            np.savez(out_dir / AMAX_FILE, **amax)
+            layout["amax_file"] = AMAX_FILE
+            layout["calibration"] = {**asdict(self.config.calibration), "tokens": tokens}
+            # The manifest keeps each layer's largest amax per head (the graph keeps every channel).
+            result["amax_per_head"] = {
+                kind: np.round(array.max(axis=-1), 4).tolist() for kind, array in amax.items()
+            }
         metadata = read_metadata(source.path)
         metadata["kv_cache"] = layout
         write_metadata(out_dir, Kind.GRAPH, metadata)
-        return {"kv_cache": layout}
+        return {"kv_cache": layout, **result}
+
+
+def window_capacity(window: int) -> int:
+    """Positions of a windowed shared buffer: the window and a quarter more, so GroupQueryAttention
+    compacts the buffer once every ``window // 4 + 1`` steps instead of at every step (ORT's
+    ``sliding_window_cache``: rows evicted ``capacity - window + 1`` at a time)."""
+    return window + window // 4
+
+
+def calibrate_amax(folder: Path, calibration: CalibrationConfig) -> tuple[dict[str, np.ndarray], int]:
+    """``{"key", "value"}: [layers, kv_heads, head_dim]`` largest ``|x|`` of the graph's
+    ``present.*`` outputs over prefills of the calibration windows, and the tokens seen."""
+    from tqdm import tqdm
+
+    from pipeline.runtime.ort import OrtModel, graph_io
+    from pipeline.torch_model import load_tokenizer
+
+    io = graph_io(folder)
+    if io.kv_dtype != "float32":
+        raise PassError(f"kv_cache: {folder} already stores a {io.kv_dtype} cache; calibrate on fp32")
+    windows = token_windows(load_tokenizer(folder), calibration, knob="kv_cache.calibration")
+    model = OrtModel(folder / read_metadata(folder).get("model_file", "model.onnx"), io)
+    amax = {kind: np.zeros((io.num_layers, io.num_kv_heads, io.head_dim), np.float32) for kind in KINDS}
+    for feed in tqdm(calibration_feeds(windows, io), total=len(windows), desc="kv_cache: calibrate"):
+        ids = feed["input_ids"]
+        positions = np.arange(ids.shape[1], dtype=np.int64)[None]
+        _, present = model.step(ids, feed["attention_mask"], positions, model.empty_cache(1))
+        for index, value in enumerate(present):
+            layer, kind = divmod(index, 2)
+            np.maximum(
+                amax[KINDS[kind]][layer], np.abs(value.numpy()).max(axis=(0, 2)), out=amax[KINDS[kind]][layer]
+            )
+    if not all(np.isfinite(a).all() for a in amax.values()):
+        raise PassError("kv_cache: the calibration produced non-finite keys or values")
+    return amax, int(windows.size)

@@ -13,12 +13,13 @@ import importlib
 import pkgutil
 from typing import Any
 
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.artifacts import Kind
 from pipeline.base import Pass, Recipe
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, PipelineError
 
 PASS_PACKAGE = "passes"
 
@@ -75,7 +76,14 @@ def build_passes(cfg: DictConfig, source_kind: Kind = Kind.TORCH) -> list[Pass]:
         for where, node in _pass_nodes(key, cfg[key]):
             pass_class(str(node._target_), where)
             plain = OmegaConf.to_container(node, resolve=True)
-            built = instantiate(plain, _convert_="all")
+            try:
+                built = instantiate(plain, _convert_="all")
+            except InstantiationException as exc:
+                # A pass refusing its own settings (PassError in __init__) is a user mistake:
+                # surface it as itself, not as Hydra's wrapper and its stack-trace hint.
+                if isinstance(exc.__cause__, PipelineError):
+                    raise exc.__cause__ from None
+                raise
             expanded = built.passes() if isinstance(built, Recipe) else [built]
             entries.extend((where, step) for step in expanded)
     return arrange(entries, source_kind)

@@ -38,13 +38,21 @@ def _repeat_heads(op: Any, cache: Any) -> Any:
 
 class GroupQueryAttention(pattern.RewriteRuleClassBase):
     def __init__(
-        self, name: str, attention_mask: ir.Value, heads: tuple[int, int], divide: bool, window: int = -1
+        self,
+        name: str,
+        attention_mask: ir.Value,
+        heads: tuple[int, int],
+        divide: bool,
+        window: int = -1,
+        window_cache: bool = False,
     ) -> None:
         super().__init__(name, remove_nodes=False)
         self._attention_mask = attention_mask
         self._num_heads, self._kv_heads = heads
         self._divide = divide
         self._window = window
+        # The cache holds the window only (ORT's sliding_window_cache: evicts in place).
+        self._window_cache = window_cache
 
     def pattern(
         self,
@@ -146,6 +154,7 @@ class GroupQueryAttention(pattern.RewriteRuleClassBase):
             do_rotary=1,
             rotary_interleaved=0,
             local_window_size=self._window,
+            sliding_window_cache=int(self._window_cache),
             _domain="com.microsoft",
             _outputs=3,
         )
@@ -222,16 +231,14 @@ def _replace_value(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
 
 
 def attention_rules(
-    attention_mask: ir.Value, num_heads: int, num_kv_heads: int, window: int = -1
+    attention_mask: ir.Value, num_heads: int, num_kv_heads: int, window: int = -1, window_cache: bool = False
 ) -> pattern.RewriteRuleSet:
     heads = (num_heads, num_kv_heads)
     return pattern.RewriteRuleSet(
         [
             GroupQueryAttention.rule(
-                "GroupQueryAttention", attention_mask, heads, divide=False, window=window
-            ),
-            GroupQueryAttention.rule(
-                "GroupQueryAttentionDiv", attention_mask, heads, divide=True, window=window
-            ),
+                name, attention_mask, heads, divide=divide, window=window, window_cache=window_cache
+            )
+            for name, divide in (("GroupQueryAttention", False), ("GroupQueryAttentionDiv", True))
         ]
     )

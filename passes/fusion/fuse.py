@@ -10,9 +10,11 @@ subexpression elimination, so per-layer shape arithmetic collapses; then each ru
 FP8 kernels need it). The rule families live beside this module (``rms_norm.py``,
 ``rotary.py``, ``attention.py``, ``packed_qkv.py``); which ones run is data: the option of the
 ``fusion`` config group for the target (``configs/fusion/ort.yaml``).
-Every family reports how many sites it rewrote (``rewrites`` in the run record); a family that
-rewrote nothing on this graph is a warning there. Model facts the rules cannot read from the
-graph (head counts, positions) come from the checkpoint's ``config.json`` carried with the graph.
+When the KV-cache pass chose an fp16 or int8 cache, the attention nodes then store it so
+(``kv_cache_dtype.py``). Every family reports how many sites it rewrote (``rewrites`` in the
+run record); a family that rewrote nothing on this graph is a warning there. Model facts the
+rules cannot read from the graph (head counts, positions) come from the checkpoint's
+``config.json`` carried with the graph.
 
 ``ensures``: the fused graph against its input graph on a fixed prompt, prefill and greedy decode
 steps fed to both (the decode path is where GroupQueryAttention appends the cache): max |logit
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ import numpy as np
 
 from passes.export import DATA_FILE, MODEL_FILE
 from passes.fp8 import copy_graph_folder
+from passes.fusion.kv_cache_dtype import CACHE_TYPES, IO_DTYPES, restore_fp32_cache, set_cache_dtype
 from passes.fusion.qdq import duplicate_shared_dequantize
 from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
 from pipeline.base import Pass
@@ -62,9 +64,11 @@ class ModelFacts:
     max_positions: int
     # Sliding-window attention from the KV-cache layout (0: unbounded).
     window: int = 0
+    # The cache keeps only the window (shared layout with a window): GQA evicts in place.
+    window_cache: bool = False
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], window: int = 0) -> ModelFacts:
+    def from_config(cls, config: dict[str, Any], window: int = 0, window_cache: bool = False) -> ModelFacts:
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         return cls(
@@ -74,6 +78,7 @@ class ModelFacts:
             head_dim=int(config.get("head_dim") or hidden // heads),
             max_positions=int(config.get("max_position_embeddings", 2048)),
             window=window,
+            window_cache=window_cache,
         )
 
 
@@ -102,7 +107,8 @@ def _attention(model: Any, facts: ModelFacts) -> int:
     if mask is None:
         return 0
     window = facts.window or -1  # ORT: the token and the window-1 before it (checked in tests)
-    count = attention_rules(mask, facts.num_heads, facts.num_kv_heads, window).apply_to_model(model)
+    rules = attention_rules(mask, facts.num_heads, facts.num_kv_heads, window, facts.window_cache)
+    count = rules.apply_to_model(model)
     if count:
         reroute_cache_outputs(model.graph)
     return count
@@ -154,7 +160,7 @@ register_pass("fusion", "ort", FusionConfig)
 class FusionPass(Pass):
     Config = FusionConfig
     name = "fusion"
-    version = 2
+    version = 3
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
 
@@ -182,9 +188,20 @@ class FusionPass(Pass):
         import onnx_ir as ir
         import onnx_ir.passes.common as common_passes
 
-        window = int(source.metadata.get("kv_cache", {}).get("window", 0))
-        facts = ModelFacts.from_config(json.loads((source.path / "config.json").read_text()), window)
-        steps = ["optimize", *self.config.rules, "save"]
+        kv = source.metadata.get("kv_cache", {})
+        window = int(kv.get("window", 0))
+        cache_dtype = kv.get("dtype", "fp32")
+        facts = ModelFacts.from_config(
+            json.loads((source.path / "config.json").read_text()),
+            window,
+            window_cache=bool(kv.get("capacity")),
+        )
+        steps = [
+            "optimize",
+            *self.config.rules,
+            *(["kv_cache_dtype"] if cache_dtype != "fp32" else []),
+            "save",
+        ]
         rewrites: dict[str, int] = {}
         with phases("fusion", len(steps)) as phase:
             phase("optimize")
@@ -193,6 +210,9 @@ class FusionPass(Pass):
             for rule in self.config.rules:
                 phase(rule)
                 rewrites[rule] = RULE_FAMILIES[rule](model, facts)
+            if cache_dtype != "fp32":
+                phase("kv_cache_dtype")
+                _store_cache_as(model, cache_dtype, kv, source.path, int(source.metadata["io"]["num_layers"]))
             phase("save")
             common_passes.RemoveUnusedNodesPass()(model)
             common_passes.CommonSubexpressionEliminationPass()(model)
@@ -213,6 +233,7 @@ class FusionPass(Pass):
             **metadata["io"],
             "has_position_ids": has_positions,
             "left_padding": not (ops & RIGHT_PADDING_OPS),
+            "kv_dtype": IO_DTYPES[cache_dtype],
         }
         metadata["fusion"] = rewrites
         write_metadata(out_dir, Kind.GRAPH, metadata)
@@ -225,10 +246,11 @@ class FusionPass(Pass):
 
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
         metrics: dict[str, Any] = {}
-        if _approximate_matmuls(source.path):
+        if _approximate_matmuls(source.path) or result.metadata["io"].get("kv_dtype", "float32") != "float32":
             # A graph that rounds activations (MatMulNBits accuracy_level > 0, activation Q/DQ)
-            # turns a last-bit change of an activation into a flipped rounding: judge the rewrite
-            # on copies of both graphs without activation rounding; report as built too.
+            # turns a last-bit change of an activation into a flipped rounding, and a cache
+            # stored in fp16/int8 rounds every key and value: judge the rewrite on copies of
+            # both graphs without that rounding (fp32 caches); report as built too.
             metrics["parity_as_built"] = compare_decoding(source.path, result.path)
             with tempfile.TemporaryDirectory(prefix="fusion-exact-") as tmp:
                 exact = [
@@ -249,6 +271,26 @@ class FusionPass(Pass):
         return {"parity_vs_input_graph": parity, **metrics}
 
 
+def _store_cache_as(model: Any, dtype: str, kv: dict[str, Any], folder: Path, layers: int) -> None:
+    """``set_cache_dtype`` on every layer's attention, with the kv_cache pass's int8 amax."""
+    if dtype not in CACHE_TYPES:
+        raise PassError(f"fusion: kv_cache.dtype={dtype} is not one ONNX Runtime's CPU attention stores")
+    amax = None
+    if dtype == "int8":
+        if not (folder / kv.get("amax_file", "-")).is_file():
+            raise PassError(
+                f"fusion: kv_cache.dtype=int8 but {folder} holds no calibrated amax: rerun kv_cache"
+            )
+        with np.load(folder / kv["amax_file"]) as stored:
+            amax = {kind: stored[kind] for kind in stored.files}
+    changed = set_cache_dtype(model.graph, dtype, amax)
+    if changed != layers:
+        raise PassError(
+            f"fusion: kv_cache.dtype={dtype} needs every layer's attention fused to GroupQueryAttention "
+            f"({changed} of {layers} are): keep group_query_attention in fusion.rules"
+        )
+
+
 def _approximate_matmuls(folder: Path) -> bool:
     """Whether the graph rounds activations: MatMulNBits at accuracy_level > 0 (int8 inputs) or
     Q/DQ pairs on activations (int8, FP8 recipes)."""
@@ -266,8 +308,9 @@ def _approximate_matmuls(folder: Path) -> bool:
 
 
 def _exact_copy(folder: Path, out: Path) -> Path:
-    """``folder``'s graph without activation rounding: MatMulNBits at accuracy_level 0 and every
-    activation ``QuantizeLinear -> DequantizeLinear`` pair bypassed (weights stay quantized)."""
+    """``folder``'s graph without activation rounding: MatMulNBits at accuracy_level 0, every
+    activation ``QuantizeLinear -> DequantizeLinear`` pair bypassed (weights stay quantized) and
+    the KV cache in fp32."""
     import onnx
 
     model = onnx.load(str(folder / MODEL_FILE))
@@ -288,9 +331,11 @@ def _exact_copy(folder: Path, out: Path) -> Path:
     for output in graph.output:
         if output.name in bypass:
             raise PassError(f"fusion: graph output {output.name} is a dequantized activation")
+    restore_fp32_cache(model)
     out.mkdir(parents=True)
     onnx.save_model(model, str(out / MODEL_FILE), save_as_external_data=True, location=DATA_FILE)
-    shutil.copy2(folder / ARTIFACT_FILE, out / ARTIFACT_FILE)
+    metadata = read_metadata(folder)
+    write_metadata(out, Kind.GRAPH, {**metadata, "io": {**metadata["io"], "kv_dtype": "float32"}})
     return out
 
 

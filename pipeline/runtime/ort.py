@@ -22,7 +22,7 @@ from pipeline.runtime.generate import GenerationConfig, GenerationResult, genera
 
 ENGINE_FILE = "engine.json"
 SUPPORTED_TARGETS = ("ort-cpu",)
-_NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,9 @@ class IOSpec:
     kv_layout: str = "concat"
     # Sliding-window attention bound (0: none); the graph enforces it, recorded for consumers.
     window: int = 0
+    # Positions of a shared buffer that keeps only the window (0: the engine's max_length);
+    # GroupQueryAttention evicts the oldest rows in place, so any length fits.
+    kv_capacity: int = 0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> IOSpec:
@@ -88,7 +91,9 @@ class OrtModel:
             raise EngineError(
                 f"{model_path}: a shared KV layout needs the buffer capacity (the engine's max_length)"
             )
-        self.capacity = capacity if io.kv_layout == "shared" else 0
+        shared = io.kv_layout == "shared"
+        self.capacity = (io.kv_capacity or capacity) if shared else 0
+        self._evicts = shared and io.kv_capacity > 0  # a window-sized buffer: never full
         try:
             self.session = ort.InferenceSession(
                 str(model_path), session_options(threads, optimization), providers=list(providers)
@@ -124,7 +129,7 @@ class OrtModel:
         logits = np.empty((*input_ids.shape, self.io.vocab_size), dtype=np.float32)
         binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         if self.capacity:  # GroupQueryAttention appends into the buffer it reads from
-            if attention_mask.shape[1] > self.capacity:
+            if attention_mask.shape[1] > self.capacity and not self._evicts:
                 raise EngineError(
                     f"{attention_mask.shape[1]} tokens exceed the shared KV buffer "
                     f"({self.capacity} positions)"
@@ -305,6 +310,11 @@ def check_kv_layout(io: IOSpec, model_file: Path, where: Path) -> None:
     if io.kv_layout not in KV_LAYOUTS:
         raise EngineError(
             f"{where} records kv_layout '{io.kv_layout}'; this runtime knows {', '.join(KV_LAYOUTS)}"
+        )
+    if io.kv_capacity and (io.kv_layout != "shared" or io.kv_capacity < io.window or not io.window):
+        raise EngineError(
+            f"{where} records a {io.kv_capacity}-position window buffer for kv_layout '{io.kv_layout}' and "
+            f"window {io.window}: only a shared layout holds a window, and at least the window; rebuild it"
         )
     if (io.kv_layout == "shared" or io.window) and "GroupQueryAttention" not in graph_ops(model_file):
         raise EngineError(

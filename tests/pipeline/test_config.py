@@ -79,6 +79,14 @@ def test_layout_and_fusion_options_place_their_passes_between_export_and_build()
     ]
 
 
+def test_kv_cache_dtype_and_its_calibration_reach_the_pass() -> None:
+    cfg = compose_recipe(
+        ["fusion=ort", "kv_cache=shared", "kv_cache.dtype=int8", "kv_cache.calibration.num_samples=8"]
+    )
+    kv_cache = build_passes(cfg)[1]
+    assert kv_cache.config.dtype == "int8" and kv_cache.config.calibration.num_samples == 8
+
+
 def test_overrides_reach_the_pass_config() -> None:
     cfg = compose_recipe(["export.opset=18", "target.intra_op_num_threads=2"])
     export, build = build_passes(cfg)

@@ -126,10 +126,11 @@ def test_cache_disabled_leaves_no_cache(tiny_llama: Path, tmp_path: Path) -> Non
     [
         ("model.path=/nonexistent/llama", "/nonexistent/llama does not exist"),
         ("model.path=/etc", "config.json is missing"),
+        ("kv_cache=concat kv_cache.dtype=fp8", "no CPU kernel for an fp8 cache"),  # refused by the pass
     ],
 )
 def test_user_mistake_is_one_line_and_exit_code_2(tmp_path: Path, model_override: str, needle: str) -> None:
-    command = [sys.executable, "-m", "pipeline", model_override, f"hydra.run.dir={tmp_path / 'run'}"]
+    command = [sys.executable, "-m", "pipeline", *model_override.split(), f"hydra.run.dir={tmp_path / 'run'}"]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
