@@ -183,8 +183,17 @@ def _graph_inputs_above(value: ir.Value, graph: Any, limit: int = 400) -> list[i
     return inputs
 
 
-def reroute_cache_outputs(graph: ir.Graph) -> int:
-    """Point each layer's ``present.*`` at its GroupQueryAttention's cache outputs.
+# (past input, new K/V input, present output) slots of the attention kernels.
+GQA_CACHE_SLOTS = ((3, 1, 1), (4, 2, 2))
+
+
+def reroute_cache_outputs(
+    graph: ir.Graph,
+    op_type: str = "GroupQueryAttention",
+    domain: str = "com.microsoft",
+    slots: tuple[tuple[int, int, int], ...] = GQA_CACHE_SLOTS,
+) -> int:
+    """Point each layer's ``present.*`` at its attention kernel's cache outputs.
 
     The rule matches from the attention output alone: a pattern with three output nodes makes
     onnxscript's matcher try every combination of candidate nodes (minutes on a 30-layer graph).
@@ -192,9 +201,9 @@ def reroute_cache_outputs(graph: ir.Graph) -> int:
     """
     rerouted = 0
     for node in list(graph):
-        if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
+        if node.op_type != op_type or node.domain != domain:
             continue
-        for past_slot, new_slot, present_slot in ((3, 1, 1), (4, 2, 2)):
+        for past_slot, new_slot, present_slot in slots:
             past, fresh = node.inputs[past_slot], node.inputs[new_slot]
             for user, _ in list(past.uses()):
                 if user is node or user.op_type != "Concat" or not _appends(user, past, fresh):
@@ -205,10 +214,13 @@ def reroute_cache_outputs(graph: ir.Graph) -> int:
 
 
 def _appends(concat: ir.Node, past: ir.Value, fresh: ir.Value) -> bool:
-    """``concat`` is ``Concat(past, heads(fresh) [rotated], axis=-2)`` for this layer's new K or V."""
+    """``concat`` is ``Concat(past, fresh, axis=-2)`` or ``Concat(past, heads(fresh) [rotated],
+    axis=-2)`` for this layer's new K or V."""
     if concat.attributes.get_int("axis", 0) != -2 or len(concat.inputs) != 2 or concat.inputs[0] is not past:
         return False
     value = concat.inputs[1]
+    if value is fresh:
+        return True
     for expected in ("RotaryEmbedding", "Transpose", "Reshape"):
         producer = value.producer() if value is not None else None
         if producer is None:

@@ -123,14 +123,45 @@ def _packed_qkv(model: Any, facts: ModelFacts) -> int:
     return packed_qkv_rules(model.graph).apply_to_model(model)
 
 
+def _onnx_rms_norm(model: Any, facts: ModelFacts) -> int:
+    from passes.fusion.rms_norm import ONNX_RMS_NORM_RULES
+
+    return ONNX_RMS_NORM_RULES.apply_to_model(model)
+
+
+def _onnx_rotary(model: Any, facts: ModelFacts) -> int:
+    from passes.fusion.rotary import RotaryTables, rotary_rules
+
+    return rotary_rules(RotaryTables(model.graph, facts.max_positions), standard=True).apply_to_model(model)
+
+
+def _onnx_attention(model: Any, facts: ModelFacts) -> int:
+    from passes.fusion.onnx_attention import onnx_attention_rules, reroute_attention_cache
+
+    mask = next((v for v in model.graph.inputs if v.name == "attention_mask"), None)
+    if mask is None:
+        return 0
+    count = onnx_attention_rules(mask, facts.num_heads, facts.num_kv_heads).apply_to_model(model)
+    if count:
+        reroute_attention_cache(model.graph)
+    return count
+
+
 # Rule families by the name ``fusion.rules`` uses, in the order a target should list them.
 RULE_FAMILIES: dict[str, Callable[[Any, ModelFacts], int]] = {
+    # ONNX Runtime's contrib kernels (target ort-cpu)
     "rms_norm": _rms_norm,
     "skip_rms_norm": _skip_rms_norm,
     "rotary_embedding": _rotary,
     "group_query_attention": _attention,
     "packed_qkv": _packed_qkv,
+    # ONNX standard ops of opset 23 (targets that parse standard ops only: TensorRT)
+    "onnx_rms_norm": _onnx_rms_norm,
+    "onnx_rotary_embedding": _onnx_rotary,
+    "onnx_attention": _onnx_attention,
 }
+# The default-domain opset a family's ops need; the pass converts the graph up to it first.
+RULE_OPSETS = {"onnx_rms_norm": 23, "onnx_rotary_embedding": 23, "onnx_attention": 23}
 # Ops after which a graph no longer takes left-padded batches (causal masking from lengths only).
 RIGHT_PADDING_OPS = frozenset({"GroupQueryAttention"})
 
@@ -154,7 +185,7 @@ class FusionConfig:
     min_top1_agreement: float = 0.99
 
 
-register_pass("fusion", "ort", FusionConfig)
+register_pass("fusion", "fusion", FusionConfig)  # fusion_schema: every target's rule set
 
 
 class FusionPass(Pass):
@@ -207,6 +238,11 @@ class FusionPass(Pass):
             phase("optimize")
             model = prepare(ir.load(source.path / MODEL_FILE))
             nodes_before = len(model.graph)
+            opset = max((RULE_OPSETS.get(rule, 0) for rule in self.config.rules), default=0)
+            if opset > model.opset_imports.get("", 0):
+                from onnxscript import version_converter
+
+                version_converter.convert_version(model, target_version=opset)
             for rule in self.config.rules:
                 phase(rule)
                 rewrites[rule] = RULE_FAMILIES[rule](model, facts)

@@ -1,5 +1,6 @@
 """RMSNorm rules: the exported ``x * rsqrt(mean(x^2) + eps) * weight`` subgraph becomes
-``SimplifiedLayerNormalization``; a residual ``Add`` feeding one becomes
+``SimplifiedLayerNormalization`` (or, for standard-op targets, ONNX ``RMSNormalization``, opset
+23); a residual ``Add`` feeding one becomes
 ``com.microsoft.SkipSimplifiedLayerNormalization``, whose fourth output carries the sum on.
 
 Algorithm: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization". Specs: ONNX Runtime
@@ -24,11 +25,13 @@ FLOAT_TYPES = frozenset([ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFL
 
 
 class RmsNorm(pattern.RewriteRuleClassBase):
-    """``Mul(scale, Mul(x, 1/Sqrt(ReduceMean(Pow(x, 2)) + eps)))`` -> ``SimplifiedLayerNormalization``."""
+    """``Mul(scale, Mul(x, 1/Sqrt(ReduceMean(Pow(x, 2)) + eps)))`` -> ``SimplifiedLayerNormalization``
+    (ONNX Runtime), or the ONNX standard ``RMSNormalization`` (opset 23) with ``standard``."""
 
-    def __init__(self, name: str, scale_first: bool) -> None:
+    def __init__(self, name: str, scale_first: bool, standard: bool = False) -> None:
         super().__init__(name)
         self._scale_first = scale_first
+        self._standard = standard
 
     def pattern(self, op: Any, x: Any, scale: Any, epsilon: Any, one: Any) -> Any:
         x = pattern.OrValue([op.Cast(x, to=ir.DataType.FLOAT), x])
@@ -52,10 +55,10 @@ class RmsNorm(pattern.RewriteRuleClassBase):
         return result
 
     def rewrite(self, op: Any, x: Any, scale: Any, epsilon: Any, **_: Any) -> Any:
+        # Same attributes in both: normalize the last axis, accumulate in float.
         # ONNX Runtime registers SimplifiedLayerNormalization in the ONNX domain.
-        return op.SimplifiedLayerNormalization(
-            x, scale, axis=-1, epsilon=constant_scalar(epsilon), stash_type=1
-        )
+        normalize = op.RMSNormalization if self._standard else op.SimplifiedLayerNormalization
+        return normalize(x, scale, axis=-1, epsilon=constant_scalar(epsilon), stash_type=1)
 
 
 class SkipRmsNorm(pattern.RewriteRuleClassBase):
@@ -99,6 +102,13 @@ class SkipRmsNorm(pattern.RewriteRuleClassBase):
 
 RMS_NORM_RULES = pattern.RewriteRuleSet(
     [RmsNorm.rule("RmsNorm", scale_first=True), RmsNorm.rule("RmsNormScaleLast", scale_first=False)]
+)
+# The ONNX standard op (opset 23), for targets that parse standard ops only (TensorRT).
+ONNX_RMS_NORM_RULES = pattern.RewriteRuleSet(
+    [
+        RmsNorm.rule("OnnxRmsNorm", scale_first=True, standard=True),
+        RmsNorm.rule("OnnxRmsNormScaleLast", scale_first=False, standard=True),
+    ]
 )
 
 

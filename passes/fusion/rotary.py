@@ -4,7 +4,9 @@ from ``position_ids`` and the constant inverse frequencies, becomes
 
 Algorithm: Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding"
 (non-interleaved halves, as in Hugging Face Llama). Spec: ONNX Runtime contrib op
-``RotaryEmbedding`` (4-D input [batch, heads, seq, head_dim]; caches [max_positions, head_dim/2]).
+``RotaryEmbedding`` (4-D input [batch, heads, seq, head_dim]; caches [max_positions, head_dim/2]);
+for standard-op targets the ONNX ``RotaryEmbedding`` of opset 23 (the same caches, inputs ordered
+``x, cos_cache, sin_cache, position_ids``).
 The caches are tabulated here from the graph's own inverse frequencies and attention scaling,
 for every position up to the model's ``max_position_embeddings``. onnxscript's
 ``ort_fusions.rotary_embedding`` targets a proposed op ONNX Runtime does not run and needs static
@@ -48,9 +50,10 @@ class RotaryTables:
 class Rotary(pattern.RewriteRuleClassBase):
     """Half-rotation RoPE on a [batch, heads, seq, head_dim] tensor -> ``RotaryEmbedding``."""
 
-    def __init__(self, tables: RotaryTables) -> None:
-        super().__init__("RotaryEmbedding", remove_nodes=False)
+    def __init__(self, tables: RotaryTables, standard: bool = False) -> None:
+        super().__init__("OnnxRotaryEmbedding" if standard else "RotaryEmbedding", remove_nodes=False)
         self._tables = tables
+        self._standard = standard
 
     def pattern(
         self, op: Any, x: Any, position_ids: Any, inv_freq: Any, cos_scale: Any, sin_scale: Any, half: Any
@@ -89,6 +92,8 @@ class Rotary(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op: Any, x: Any, position_ids: Any, **_: Any) -> Any:
         cos_cache, sin_cache = self._tables.get(self._frequencies, self._scaling)
+        if self._standard:  # ONNX RotaryEmbedding-23: same caches, inputs in another order
+            return op.RotaryEmbedding(x, cos_cache, sin_cache, position_ids, interleaved=0)
         return op.RotaryEmbedding(
             x, position_ids, cos_cache, sin_cache, interleaved=0, _domain="com.microsoft"
         )
@@ -101,5 +106,5 @@ def _head_dim(x: ir.Value, fallback: int) -> int:
     return fallback
 
 
-def rotary_rules(tables: RotaryTables) -> pattern.RewriteRuleSet:
-    return pattern.RewriteRuleSet([Rotary.rule(tables)])
+def rotary_rules(tables: RotaryTables, standard: bool = False) -> pattern.RewriteRuleSet:
+    return pattern.RewriteRuleSet([Rotary.rule(tables, standard)])

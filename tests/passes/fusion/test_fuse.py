@@ -196,3 +196,37 @@ def test_lm_evals_onnxruntime_genai_backend_scores_the_fused_engine_like_ours(fu
     for (mine, greedy_mine), (other, greedy_other) in zip(expected, actual, strict=True):
         assert other == pytest.approx(mine, abs=1e-3)
         assert greedy_other == greedy_mine
+
+
+def test_the_tensorrt_rule_set_from_config_gives_a_standard_op_graph(
+    tiny_graph: Artifact, tmp_path: Path
+) -> None:
+    """``fusion=tensorrt`` as Hydra composes it: the graph is converted to opset 23, every family
+    rewrites, the result keeps left padding (its Attention takes the mask) and its logits; the
+    engine ONNX Runtime builds from it generates like the unfused one."""
+    import onnx
+
+    from pipeline.plugins import build_passes
+    from tests.pipeline.recipe import compose_recipe
+
+    fusion = next(p for p in build_passes(compose_recipe(["fusion=tensorrt"])) if isinstance(p, FusionPass))
+    (tmp_path / "graph").mkdir()
+    metrics = fusion.run(tiny_graph, tmp_path / "graph")
+    result = Artifact.from_dir(Kind.GRAPH, tmp_path / "graph")
+    checks = fusion.ensures(tiny_graph, result)
+    assert metrics["rewrites"] == {"onnx_rms_norm": 5, "onnx_rotary_embedding": 4, "onnx_attention": 2}
+    assert metrics["warnings"] == [] and checks["parity_vs_input_graph"]["top1_agreement"] == 1.0
+    model = onnx.load(str(result.path / "model.onnx"), load_external_data=False)
+    assert {o.domain: o.version for o in model.opset_import}.get("", 0) == 23
+    assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}
+    assert result.metadata["io"]["left_padding"] is True
+    (tmp_path / "engine").mkdir()
+    OrtCpuBuildPass().run(result, tmp_path / "engine")
+    config = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
+    prompts = [[1, 40, 41], [1, 50, 51, 52, 53]]  # unequal: one left-padded batch
+    plain = OrtCpuBuildPass()
+    (tmp_path / "plain").mkdir()
+    plain.run(tiny_graph, tmp_path / "plain")
+    assert Engine(tmp_path / "engine").generate_ids(prompts, config).tokens == (
+        Engine(tmp_path / "plain").generate_ids(prompts, config).tokens
+    )

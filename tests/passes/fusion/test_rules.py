@@ -65,3 +65,76 @@ def test_rules_match_nothing_on_a_graph_without_their_pattern(
     model = prepared_model(tiny_graph)
     assert RULE_FAMILIES["group_query_attention"](model, tiny_facts) == 0
     assert RULE_FAMILIES["skip_rms_norm"](model, tiny_facts) == 0  # no SimplifiedLayerNormalization yet
+
+
+# The TensorRT rule set: ONNX standard ops of opset 23 (the pass converts the graph first).
+STANDARD = {
+    "onnx_rms_norm": (5, "RMSNormalization"),
+    "onnx_rotary_embedding": (4, "RotaryEmbedding"),
+    "onnx_attention": (2, "Attention"),
+}
+STANDARD_ORDER = list(STANDARD)
+
+
+def opset23_model(tiny_graph: Artifact) -> Any:
+    from onnxscript import version_converter
+
+    model = prepared_model(tiny_graph)
+    version_converter.convert_version(model, target_version=23)
+    return model
+
+
+@pytest.mark.parametrize("family", STANDARD_ORDER)
+def test_each_standard_op_family_rewrites_every_site_and_keeps_the_logits(
+    family: str, tiny_graph: Artifact, tiny_facts: ModelFacts, fused_parity: Any
+) -> None:
+    model = opset23_model(tiny_graph)
+    for earlier in STANDARD_ORDER[: STANDARD_ORDER.index(family)]:
+        RULE_FAMILIES[earlier](model, tiny_facts)
+    sites, op = STANDARD[family]
+    assert RULE_FAMILIES[family](model, tiny_facts) == sites
+    parity = fused_parity(model)
+    assert Counter((n.op_type, n.domain) for n in model.graph)[(op, "")] == sites
+    assert parity["top1_agreement"] == 1.0
+    assert parity["max_abs_diff"] < 1e-4
+
+
+def test_the_standard_op_rule_set_leaves_no_contrib_op_and_no_decomposition(
+    tiny_graph: Artifact, tiny_facts: ModelFacts, fused_parity: Any
+) -> None:
+    model = opset23_model(tiny_graph)
+    for family in STANDARD_ORDER:
+        RULE_FAMILIES[family](model, tiny_facts)
+    fused_parity(model)  # removes dead nodes
+    assert {node.domain for node in model.graph} == {""}  # nothing but the ONNX domain
+    counts = ops(model)
+    for decomposed in ("Softmax", "Neg", "Pow", "Sqrt", "Cos", "Sin"):
+        assert counts[decomposed] == 0, (decomposed, counts)
+    past = {value.name for value in model.graph.inputs if value.name.startswith("past_key_values.")}
+    assert not [n for n in model.graph if n.op_type == "Concat" and {i.name for i in n.inputs} & past]
+    assert all(value.producer().op_type == "Attention" for value in model.graph.outputs[1:])
+
+
+def test_standard_attention_keeps_left_padding(
+    tiny_graph: Artifact, tiny_facts: ModelFacts, tmp_path: Any
+) -> None:
+    """Attention-23 takes the graph's own additive mask: a left-padded row of a batch gets the
+    logits it gets alone (GroupQueryAttention cannot, it masks from lengths)."""
+    import numpy as np
+
+    from pipeline.runtime.ort import OrtModel, graph_io
+    from tests.passes.fusion.conftest import save_beside
+
+    model = opset23_model(tiny_graph)
+    for family in STANDARD_ORDER:
+        RULE_FAMILIES[family](model, tiny_facts)
+    folder = save_beside(model, tiny_graph, tmp_path / "fused")
+    fused = OrtModel(folder / "model.onnx", graph_io(folder))
+    alone, _ = fused.step(
+        np.array([[5, 6, 7]]), np.ones((1, 3), np.int64), np.arange(3)[None], fused.empty_cache(1)
+    )
+    ids = np.array([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    batch, _ = fused.step(ids, mask, positions, fused.empty_cache(2))
+    assert np.abs(batch[0, 2:] - alone[0]).max() < 1e-4
