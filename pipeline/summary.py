@@ -33,6 +33,10 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
         if rewrites := record["metrics"].get("rewrites"):  # fusion: sites per rule family
             sites = ", ".join(f"{family} x{count}" for family, count in rewrites.items())
             notes = f"{sites}; {notes}" if notes else sites
+            if as_built := record["metrics"].get("parity_as_built"):
+                notes += f"; as built: top-1 {as_built['top1_agreement']:.0%}"
+        if kv := record["metrics"].get("kv_cache"):  # the KV-cache layout
+            notes = _kv_cache_note(kv)
         passes.add_row(
             str(index),
             record["name"],
@@ -118,3 +122,15 @@ def gate_table(gate: dict[str, Any]) -> Table:
             row["verdict"],
         )
     return table
+
+
+def _kv_cache_note(kv: dict[str, Any]) -> str:
+    """``shared, int8 (calibrated on 4096 tokens), window 256 in 320 positions``."""
+    parts = [kv["layout"], kv["dtype"]]
+    if "calibration" in kv:
+        parts[-1] += f" (calibrated on {kv['calibration']['tokens']} tokens)"
+    if kv.get("window"):
+        parts.append(
+            f"window {kv['window']}" + (f" in {kv['capacity']} positions" if kv.get("capacity") else "")
+        )
+    return ", ".join(parts)
