@@ -68,23 +68,48 @@ class GroupQueryAttention(pattern.RewriteRuleClassBase):
         scale: Any,
         mask: Any,
     ) -> Any:
+        context = self.decomposition(
+            op, query, key, value, past_key, past_value, position_ids, cos_cache, sin_cache, scale, mask
+        )
+        return op.Reshape(op.Transpose(context, perm=BHSD), pattern.ANY_VALUE)
+
+    def rope(self, op: Any, x: Any, position_ids: Any, cos_cache: Any, sin_cache: Any, name: str) -> Any:
+        """The rotary node the rotary family left (here ONNX Runtime's contrib op)."""
+        return op.RotaryEmbedding(
+            x, position_ids, cos_cache, sin_cache, interleaved=0, _domain="com.microsoft", _outputs=[name]
+        )
+
+    def decomposition(
+        self,
+        op: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        past_key: Any,
+        past_value: Any,
+        position_ids: Any,
+        cos_cache: Any,
+        sin_cache: Any,
+        scale: Any,
+        mask: Any,
+    ) -> Any:
+        """The exported attention up to its context [B, H, S, D]: rotary Q/K, cache concat, head
+        repeat, scaled scores plus the additive mask, softmax, weighted values."""
+
         def heads(x: Any, name: str) -> Any:
             return op.Transpose(op.Reshape(x, pattern.ANY_VALUE), perm=BHSD, _outputs=[name])
 
-        def rope(x: Any) -> Any:
-            return op.RotaryEmbedding(
-                x, position_ids, cos_cache, sin_cache, interleaved=0, _domain="com.microsoft"
-            )
+        def rope(x: Any, name: str) -> Any:
+            return self.rope(op, x, position_ids, cos_cache, sin_cache, name)
 
-        query_heads = rope(heads(query, "query_heads"))
-        present_key = op.Concat(past_key, rope(heads(key, "key_heads")), axis=-2)
+        query_rotated = rope(heads(query, "query_heads"), "query_rotated")
+        present_key = op.Concat(past_key, rope(heads(key, "key_heads"), "key_rotated"), axis=-2)
         present_value = op.Concat(past_value, heads(value, "value_heads"), axis=-2)
         keys = op.Transpose(_repeat_heads(op, present_key), perm=[0, 1, 3, 2])
-        scores = op.MatMul(query_heads, keys)
+        scores = op.MatMul(query_rotated, keys)
         scores = op.Div(scores, scale) if self._divide else op.Mul(scores, scale)
         probs = op.Softmax(op.Add(scores, mask), axis=-1)
-        context = op.MatMul(probs, _repeat_heads(op, present_value))
-        return op.Reshape(op.Transpose(context, perm=BHSD), pattern.ANY_VALUE)
+        return op.MatMul(probs, _repeat_heads(op, present_value))
 
     def check(
         self,

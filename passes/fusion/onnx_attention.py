@@ -18,7 +18,7 @@ from typing import Any
 
 from onnxscript.rewriter import pattern
 
-from passes.fusion.attention import BHSD, GroupQueryAttention, _repeat_heads, reroute_cache_outputs
+from passes.fusion.attention import GroupQueryAttention, reroute_cache_outputs
 
 # Attention-23: past_key 4 -> present_key output 1 (new K input 1), past_value 5 -> output 2.
 ATTENTION_CACHE_SLOTS = ((4, 1, 1), (5, 2, 2))
@@ -43,20 +43,13 @@ class OnnxAttention(GroupQueryAttention):
         scale: Any,
         mask: Any,
     ) -> Any:
-        def heads(x: Any, name: str) -> Any:
-            return op.Transpose(op.Reshape(x, pattern.ANY_VALUE), perm=BHSD, _outputs=[name])
+        return self.decomposition(
+            op, query, key, value, past_key, past_value, position_ids, cos_cache, sin_cache, scale, mask
+        )
 
-        def rope(x: Any, name: str) -> Any:
-            return op.RotaryEmbedding(x, cos_cache, sin_cache, position_ids, interleaved=0, _outputs=[name])
-
-        query_rotated = rope(heads(query, "query_heads"), "query_rotated")
-        present_key = op.Concat(past_key, rope(heads(key, "key_heads"), "key_rotated"), axis=-2)
-        present_value = op.Concat(past_value, heads(value, "value_heads"), axis=-2)
-        keys = op.Transpose(_repeat_heads(op, present_key), perm=[0, 1, 3, 2])
-        scores = op.MatMul(query_rotated, keys)
-        scores = op.Div(scores, scale) if self._divide else op.Mul(scores, scale)
-        probs = op.Softmax(op.Add(scores, mask), axis=-1)
-        return op.MatMul(probs, _repeat_heads(op, present_value))
+    def rope(self, op: Any, x: Any, position_ids: Any, cos_cache: Any, sin_cache: Any, name: str) -> Any:
+        """The standard RotaryEmbedding-23 (inputs ordered x, cos, sin, positions)."""
+        return op.RotaryEmbedding(x, cos_cache, sin_cache, position_ids, interleaved=0, _outputs=[name])
 
     def rewrite(  # type: ignore[override]
         self,

@@ -160,6 +160,22 @@ def test_onnxruntime_genai_runs_the_shared_buffer_engine(
     assert genai_greedy_tokens(engine.path, prompt, 10) == ours.tokens[0]
 
 
+def side_by_side(models: list[OrtModel], ids: np.ndarray, steps: int) -> tuple[float, float, list]:
+    """Prefill ``ids`` and ``steps - 1`` greedy decode steps (the first model's tokens) on two
+    models; the largest |logit difference|, the first model's largest logit range, the caches."""
+    caches = [m.empty_cache(1) for m in models]
+    positions = np.arange(ids.shape[1])[None]
+    worst, spread = 0.0, 0.0
+    for _ in range(steps):
+        mask = np.ones((1, positions[0, -1] + 1), np.int64)
+        (a, caches[0]), (b, caches[1]) = (
+            m.step(ids, mask, positions, c) for m, c in zip(models, caches, strict=True)
+        )
+        worst, spread = max(worst, float(np.abs(a - b).max())), max(spread, float(np.ptp(a)))
+        ids, positions = a[:, -1:].argmax(-1), positions[:, -1:] + 1
+    return worst, spread, caches
+
+
 def cache_bytes(model: OrtModel, tokens: int) -> int:
     """Bytes of every layer's cache after a prefill of ``tokens`` tokens."""
     ids = np.arange(1, tokens + 1)[None] % model.io.vocab_size
@@ -214,16 +230,7 @@ def test_a_smaller_cache_dtype_shrinks_the_cache_and_bounds_the_error(
     models = [OrtModel(g.path / "model.onnx", graph_io(g.path)) for g in (full, small)]
     assert cache_bytes(models[0], 32) == ratio * cache_bytes(models[1], 32)
     ids = np.array([[1, 40, 41, 42, 43, 44, 45, 46]])
-    caches = [m.empty_cache(1) for m in models]
-    positions = np.arange(ids.shape[1])[None]
-    worst, spread = 0.0, 0.0
-    for _ in range(9):
-        mask = np.ones((1, positions[0, -1] + 1), np.int64)
-        (a, caches[0]), (b, caches[1]) = (
-            m.step(ids, mask, positions, c) for m, c in zip(models, caches, strict=True)
-        )
-        worst, spread = max(worst, float(np.abs(a - b).max())), max(spread, float(np.ptp(a)))
-        ids, positions = a[:, -1:].argmax(-1), positions[:, -1:] + 1
+    worst, spread, _ = side_by_side(models, ids, steps=9)
     assert 0 < worst < (1e-3 if dtype == "fp16" else 0.03) * spread
 
 
@@ -254,17 +261,7 @@ def test_a_windowed_shared_buffer_keeps_only_the_window(tiny_graph: Artifact, tm
     )
     assert bounded.io.kv_capacity == WINDOW + WINDOW // 4
     models = [bounded.model, growing.model]
-    caches = [m.empty_cache(1) for m in models]
-    ids = np.array([[1, 40, 41, 42, 43, 44, 45, 46, 47, 48]])
-    positions = np.arange(ids.shape[1])[None]
-    worst = 0.0
-    for _ in range(30):
-        mask = np.ones((1, positions[0, -1] + 1), np.int64)
-        (a, caches[0]), (b, caches[1]) = (
-            m.step(ids, mask, positions, c) for m, c in zip(models, caches, strict=True)
-        )
-        worst = max(worst, float(np.abs(a - b).max()))
-        ids, positions = b[:, -1:].argmax(-1), positions[:, -1:] + 1
+    worst, _, caches = side_by_side(models, np.array([[1, 40, 41, 42, 43, 44, 45, 46, 47, 48]]), steps=30)
     assert worst < 1e-4
     assert caches[0][0].shape()[2] == WINDOW + WINDOW // 4  # constant memory after 39 tokens
     assert caches[1][0].shape()[2] == 39

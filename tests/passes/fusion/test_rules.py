@@ -26,21 +26,6 @@ def ops(model: Any) -> Counter[str]:
     return Counter(node.op_type for node in model.graph)
 
 
-@pytest.mark.parametrize("family", ORDER)
-def test_each_rule_family_rewrites_every_site_and_keeps_the_logits(
-    family: str, tiny_graph: Artifact, tiny_facts: ModelFacts, fused_parity: Any
-) -> None:
-    model = prepared_model(tiny_graph)
-    for earlier in ORDER[: ORDER.index(family)]:
-        RULE_FAMILIES[earlier](model, tiny_facts)
-    sites, op = EXPECTED[family]
-    assert RULE_FAMILIES[family](model, tiny_facts) == sites
-    parity = fused_parity(model)
-    assert ops(model)[op] == sites
-    assert parity["top1_agreement"] == 1.0
-    assert parity["max_abs_diff"] < 1e-4
-
-
 def test_attention_fusion_leaves_no_attention_decomposition(
     tiny_graph: Artifact, tiny_facts: ModelFacts, fused_parity: Any
 ) -> None:
@@ -84,17 +69,26 @@ def opset23_model(tiny_graph: Artifact) -> Any:
     return model
 
 
-@pytest.mark.parametrize("family", STANDARD_ORDER)
-def test_each_standard_op_family_rewrites_every_site_and_keeps_the_logits(
-    family: str, tiny_graph: Artifact, tiny_facts: ModelFacts, fused_parity: Any
+# rule set -> (families in order with their sites and op, how the graph is prepared for them)
+RULE_SETS = {"ort": (EXPECTED, prepared_model), "tensorrt": (STANDARD, opset23_model)}
+
+
+@pytest.mark.parametrize(
+    ("rule_set", "family"),
+    [(name, family) for name, (families, _) in RULE_SETS.items() for family in families],
+)
+def test_each_rule_family_rewrites_every_site_and_keeps_the_logits(
+    rule_set: str, family: str, tiny_graph: Artifact, tiny_facts: ModelFacts, fused_parity: Any
 ) -> None:
-    model = opset23_model(tiny_graph)
-    for earlier in STANDARD_ORDER[: STANDARD_ORDER.index(family)]:
+    families, load = RULE_SETS[rule_set]
+    order = list(families)
+    model = load(tiny_graph)
+    for earlier in order[: order.index(family)]:
         RULE_FAMILIES[earlier](model, tiny_facts)
-    sites, op = STANDARD[family]
+    sites, op = families[family]
     assert RULE_FAMILIES[family](model, tiny_facts) == sites
     parity = fused_parity(model)
-    assert Counter((n.op_type, n.domain) for n in model.graph)[(op, "")] == sites
+    assert ops(model)[op] == sites
     assert parity["top1_agreement"] == 1.0
     assert parity["max_abs_diff"] < 1e-4
 
