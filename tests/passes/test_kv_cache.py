@@ -44,6 +44,18 @@ def build(graph: Artifact, out: Path, **config: object) -> Artifact:
     return engine
 
 
+def with_io(engine: Artifact, folder: Path, **io: object) -> Path:
+    """A copy of ``engine`` whose engine.json records other IO fields."""
+    import json
+    import shutil
+
+    shutil.copytree(engine.path, folder)
+    spec = json.loads((folder / "engine.json").read_text())
+    spec["io"].update(io)
+    (folder / "engine.json").write_text(json.dumps(spec))
+    return folder
+
+
 def test_the_layout_is_recorded_for_fusion_build_and_runtime(tiny_graph: Artifact, tmp_path: Path) -> None:
     graph = layout(tiny_graph, tmp_path, fuse=False, layout="shared", window=64, paged_block_size=16)
     assert graph.metadata["kv_cache"] == {
@@ -127,20 +139,11 @@ def test_build_refuses_layouts_an_unfused_graph_cannot_honour(
 def test_an_engine_whose_layout_its_graph_cannot_run_is_refused(
     tiny_engine: Artifact, tmp_path: Path
 ) -> None:
-    import json
-    import shutil
-
-    folder = tmp_path / "engine"
-    shutil.copytree(tiny_engine.path, folder)
-    spec = json.loads((folder / "engine.json").read_text())
-    spec["io"]["kv_layout"] = "shared"
-    (folder / "engine.json").write_text(json.dumps(spec))
+    folder = with_io(tiny_engine, tmp_path / "shared", kv_layout="shared")
     with pytest.raises(EngineError, match="no GroupQueryAttention: rebuild the engine with fusion=ort"):
         Engine(folder)
-    spec["io"]["kv_layout"] = "paged"
-    (folder / "engine.json").write_text(json.dumps(spec))
     with pytest.raises(EngineError, match="kv_layout 'paged'"):
-        Engine(folder)
+        Engine(with_io(tiny_engine, tmp_path / "paged", kv_layout="paged"))
 
 
 @pytest.mark.parametrize(
@@ -270,13 +273,6 @@ def test_a_windowed_shared_buffer_keeps_only_the_window(tiny_graph: Artifact, tm
 def test_an_engine_with_a_window_buffer_but_no_window_is_refused(
     tiny_engine: Artifact, tmp_path: Path
 ) -> None:
-    import json
-    import shutil
-
-    folder = tmp_path / "engine"
-    shutil.copytree(tiny_engine.path, folder)
-    spec = json.loads((folder / "engine.json").read_text())
-    spec["io"]["kv_capacity"] = 8
-    (folder / "engine.json").write_text(json.dumps(spec))
+    folder = with_io(tiny_engine, tmp_path / "engine", kv_capacity=8)
     with pytest.raises(EngineError, match="only a shared layout holds a window"):
         Engine(folder)

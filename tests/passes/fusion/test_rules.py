@@ -19,7 +19,6 @@ EXPECTED = {
     "rotary_embedding": (4, "RotaryEmbedding"),  # Q and K per layer
     "group_query_attention": (2, "GroupQueryAttention"),
 }
-ORDER = list(EXPECTED)
 
 
 def ops(model: Any) -> Counter[str]:
@@ -29,10 +28,7 @@ def ops(model: Any) -> Counter[str]:
 def test_attention_fusion_leaves_no_attention_decomposition(
     tiny_graph: Artifact, tiny_facts: ModelFacts, fused_parity: Any
 ) -> None:
-    model = prepared_model(tiny_graph)
-    for family in ORDER:
-        RULE_FAMILIES[family](model, tiny_facts)
-    fused_parity(model)  # removes dead nodes
+    model = fully_fused("ort", tiny_graph, tiny_facts, fused_parity)
     counts = ops(model)
     for decomposed in ("Softmax", "Concat", "Expand", "Transpose", "RotaryEmbedding", "Neg", "Pow"):
         assert counts[decomposed] == 0, (decomposed, counts)
@@ -58,7 +54,6 @@ STANDARD = {
     "onnx_rotary_embedding": (4, "RotaryEmbedding"),
     "onnx_attention": (2, "Attention"),
 }
-STANDARD_ORDER = list(STANDARD)
 
 
 def opset23_model(tiny_graph: Artifact) -> Any:
@@ -71,6 +66,16 @@ def opset23_model(tiny_graph: Artifact) -> Any:
 
 # rule set -> (families in order with their sites and op, how the graph is prepared for them)
 RULE_SETS = {"ort": (EXPECTED, prepared_model), "tensorrt": (STANDARD, opset23_model)}
+
+
+def fully_fused(rule_set: str, tiny_graph: Artifact, tiny_facts: ModelFacts, fused_parity: Any) -> Any:
+    """The tiny graph after every family of a rule set, dead nodes removed."""
+    families, load = RULE_SETS[rule_set]
+    model = load(tiny_graph)
+    for family in families:
+        RULE_FAMILIES[family](model, tiny_facts)
+    fused_parity(model)  # saves the graph, removing dead nodes
+    return model
 
 
 @pytest.mark.parametrize(
@@ -96,10 +101,7 @@ def test_each_rule_family_rewrites_every_site_and_keeps_the_logits(
 def test_the_standard_op_rule_set_leaves_no_contrib_op_and_no_decomposition(
     tiny_graph: Artifact, tiny_facts: ModelFacts, fused_parity: Any
 ) -> None:
-    model = opset23_model(tiny_graph)
-    for family in STANDARD_ORDER:
-        RULE_FAMILIES[family](model, tiny_facts)
-    fused_parity(model)  # removes dead nodes
+    model = fully_fused("tensorrt", tiny_graph, tiny_facts, fused_parity)
     assert {node.domain for node in model.graph} == {""}  # nothing but the ONNX domain
     counts = ops(model)
     for decomposed in ("Softmax", "Neg", "Pow", "Sqrt", "Cos", "Sin"):
@@ -120,7 +122,7 @@ def test_standard_attention_keeps_left_padding(
     from tests.passes.fusion.conftest import save_beside
 
     model = opset23_model(tiny_graph)
-    for family in STANDARD_ORDER:
+    for family in STANDARD:
         RULE_FAMILIES[family](model, tiny_facts)
     folder = save_beside(model, tiny_graph, tmp_path / "fused")
     fused = OrtModel(folder / "model.onnx", graph_io(folder))
