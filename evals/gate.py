@@ -90,12 +90,23 @@ def judge_suite(
     return row
 
 
+def suite_settings(settings: dict[str, Any], suite: str) -> dict[str, Any]:
+    """``settings`` with its ``suites`` file hashes narrowed to ``suite``'s own files
+    (``<suite>.jsonl``, ``<suite>.tokens.json``): regenerating one suite keeps the scores of the
+    others cached."""
+    files = settings.get("suites")
+    if not isinstance(files, dict):
+        return settings
+    return {**settings, "suites": {name: h for name, h in files.items() if name.split(".")[0] == suite}}
+
+
 def cached_scores(
     score_fn: ScoreFn, engine: Path, digest: str, suite: str, settings: dict[str, Any], cache_dir: Path | None
 ) -> list[ItemScore]:
     """``score_fn(engine, suite)``, kept under ``cache_dir/eval/`` by engine digest, suite and settings."""
     if cache_dir is None:
         return score_fn(engine, suite)
+    settings = suite_settings(settings, suite)
     key = json.dumps({"engine": digest, "suite": suite, "settings": settings}, sort_keys=True, default=str)
     path = cache_dir / "eval" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
     if path.is_file():

@@ -74,3 +74,23 @@ def test_run_gate_scores_each_engine_once_and_caches(tmp_path: Path) -> None:
     assert len(calls) == 4 and again["suites"] == record["suites"]  # every score from the cache
     same = run_gate(base, base, **kwargs, cache_dir=None)
     assert same["verdict"] == PASS and same["same_engine"] and calls[4:] == [("base", "a"), ("base", "b")]
+
+
+def test_a_changed_suite_file_rescores_that_suite_only(tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    def score(engine: Path, suite: str) -> list[ItemScore]:
+        calls.append(suite)
+        return scores([1, 0] * 50, prefix=suite)
+
+    def gate(files: dict[str, str]) -> None:
+        thresholds = {"a": GateThresholds(), "b": GateThresholds()}
+        settings = {"size": "full", "suites": files}
+        run_gate((tmp_path / "c", "d-c"), (tmp_path / "b", "d-b"), ["a", "b"], thresholds, score, settings,
+                 cache_dir=tmp_path)  # fmt: skip
+
+    gate({"a.jsonl": "1", "b.jsonl": "1", "b.tokens.json": "1"})
+    gate({"a.jsonl": "2", "b.jsonl": "1", "b.tokens.json": "1"})  # suite a regenerated
+    assert sorted(calls[:4]) == ["a", "a", "b", "b"] and calls[4:] == ["a", "a"]
+    gate({"a.jsonl": "2", "b.jsonl": "1", "b.tokens.json": "2"})  # b's token counts remeasured
+    assert calls[6:] == ["b", "b"]
