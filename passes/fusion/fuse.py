@@ -8,8 +8,10 @@ subexpression elimination, so per-layer shape arithmetic collapses; then each ru
 ``fusion.rules`` in order; at the end dead nodes are removed and each shared
 ``DequantizeLinear`` gets one copy per consumer again (``qdq.py``: ONNX Runtime's integer and
 FP8 kernels need it). The rule families live beside this module (``rms_norm.py``,
-``rotary.py``, ``attention.py``, ``packed_qkv.py``); which ones run is data: the option of the
-``fusion`` config group for the target (``configs/fusion/ort.yaml``).
+``rotary.py``, ``attention.py``, ``packed_qkv.py``, ``onnx_attention.py``); which ones run is
+data: the option of the ``fusion`` config group for the target (``configs/fusion/ort.yaml``:
+ONNX Runtime contrib ops; ``tensorrt.yaml``: ONNX standard ops, the graph first converted to
+the opset they need, ``RULE_OPSETS``).
 When the KV-cache pass chose an fp16 or int8 cache, the attention nodes then store it so
 (``kv_cache_dtype.py``). Every family reports how many sites it rewrote (``rewrites`` in the
 run record); a family that rewrote nothing on this graph is a warning there. Model facts the
