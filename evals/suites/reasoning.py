@@ -377,7 +377,7 @@ def _comparison(rng: random.Random, k: int, params: Vars) -> tuple[str, Vars, st
 
 
 # Boolean forms over up to four operands (x, y, z, w), each a template and its value. Together
-# they hold 55 distinct true and 59 distinct false expressions, room for ``FULL["logic"]``
+# they hold 52 distinct true and 58 distinct false expressions, room for ``FULL["logic"]``
 # distinct items alternating true and false.
 LogicForm = tuple[str, Callable[[bool, bool, bool, bool], bool]]
 LOGIC_FORMS: dict[str, LogicForm] = {
