@@ -68,33 +68,8 @@ class GroupQueryAttention(pattern.RewriteRuleClassBase):
         scale: Any,
         mask: Any,
     ) -> Any:
-        context = self.decomposition(
-            op, query, key, value, past_key, past_value, position_ids, cos_cache, sin_cache, scale, mask
-        )
-        return op.Reshape(op.Transpose(context, perm=BHSD), pattern.ANY_VALUE)
-
-    def rope(self, op: Any, x: Any, position_ids: Any, cos_cache: Any, sin_cache: Any, name: str) -> Any:
-        """The rotary node the rotary family left (here ONNX Runtime's contrib op)."""
-        return op.RotaryEmbedding(
-            x, position_ids, cos_cache, sin_cache, interleaved=0, _domain="com.microsoft", _outputs=[name]
-        )
-
-    def decomposition(
-        self,
-        op: Any,
-        query: Any,
-        key: Any,
-        value: Any,
-        past_key: Any,
-        past_value: Any,
-        position_ids: Any,
-        cos_cache: Any,
-        sin_cache: Any,
-        scale: Any,
-        mask: Any,
-    ) -> Any:
-        """The exported attention up to its context [B, H, S, D]: rotary Q/K, cache concat, head
-        repeat, scaled scores plus the additive mask, softmax, weighted values."""
+        """The exported attention: rotary Q/K, cache concat, head repeat, scaled scores plus the
+        additive mask, softmax, weighted values (the context [B, H, S, D]), then ``output``."""
 
         def heads(x: Any, name: str) -> Any:
             return op.Transpose(op.Reshape(x, pattern.ANY_VALUE), perm=BHSD, _outputs=[name])
@@ -109,7 +84,17 @@ class GroupQueryAttention(pattern.RewriteRuleClassBase):
         scores = op.MatMul(query_rotated, keys)
         scores = op.Div(scores, scale) if self._divide else op.Mul(scores, scale)
         probs = op.Softmax(op.Add(scores, mask), axis=-1)
-        return op.MatMul(probs, _repeat_heads(op, present_value))
+        return self.output(op, op.MatMul(probs, _repeat_heads(op, present_value)))
+
+    def rope(self, op: Any, x: Any, position_ids: Any, cos_cache: Any, sin_cache: Any, name: str) -> Any:
+        """The rotary node the rotary family left (here ONNX Runtime's contrib op)."""
+        return op.RotaryEmbedding(
+            x, position_ids, cos_cache, sin_cache, interleaved=0, _domain="com.microsoft", _outputs=[name]
+        )
+
+    def output(self, op: Any, context: Any) -> Any:
+        """What the match ends with: here the context back to [B, S, H*D] (the kernel's output)."""
+        return op.Reshape(op.Transpose(context, perm=BHSD), pattern.ANY_VALUE)
 
     def check(
         self,

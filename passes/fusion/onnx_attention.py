@@ -29,23 +29,9 @@ class OnnxAttention(GroupQueryAttention):
     the attention context (before the output transpose) -> ``Attention``. The checks (cache from
     the graph inputs, mask from ``attention_mask``, constant scale, head widths) are the same."""
 
-    def pattern(  # type: ignore[override]
-        self,
-        op: Any,
-        query: Any,
-        key: Any,
-        value: Any,
-        past_key: Any,
-        past_value: Any,
-        position_ids: Any,
-        cos_cache: Any,
-        sin_cache: Any,
-        scale: Any,
-        mask: Any,
-    ) -> Any:
-        return self.decomposition(
-            op, query, key, value, past_key, past_value, position_ids, cos_cache, sin_cache, scale, mask
-        )
+    def output(self, op: Any, context: Any) -> Any:
+        """The match ends at the context [B, Hq, S, D]: Attention-23's output has that shape."""
+        return context
 
     def rope(self, op: Any, x: Any, position_ids: Any, cos_cache: Any, sin_cache: Any, name: str) -> Any:
         """The standard RotaryEmbedding-23 (inputs ordered x, cos, sin, positions)."""
