@@ -8,7 +8,8 @@ subexpression elimination, so per-layer shape arithmetic collapses; then each ru
 ``fusion.rules`` in order; at the end dead nodes are removed and each shared
 ``DequantizeLinear`` gets one copy per consumer again (``qdq.py``: ONNX Runtime's integer and
 FP8 kernels need it). The rule families live beside this module (``rms_norm.py``,
-``rotary.py``, ``attention.py``, ``packed_qkv.py``, ``onnx_attention.py``); which ones run is
+``rotary.py``, ``attention.py``, ``packed_qkv.py``, ``packed_gate_up.py``,
+``onnx_attention.py``); which ones run is
 data: the option of the ``fusion`` config group for the target (``configs/fusion/ort.yaml``:
 ONNX Runtime contrib ops; ``tensorrt.yaml``: ONNX standard ops, the graph first converted to
 the opset they need, ``RULE_OPSETS``).
@@ -125,6 +126,14 @@ def _packed_qkv(model: Any, facts: ModelFacts) -> int:
     return packed_qkv_rules(model.graph).apply_to_model(model)
 
 
+def _packed_gate_up(model: Any, facts: ModelFacts) -> int | None:
+    from passes.fusion.packed_gate_up import packed_gate_up_rules
+
+    if not any(node.op_type == "MatMulNBits" for node in model.graph):
+        return None  # MatMulNBits only (packed_gate_up.py): an fp32 graph keeps its two matmuls
+    return packed_gate_up_rules(model.graph).apply_to_model(model)
+
+
 def _onnx_rms_norm(model: Any, facts: ModelFacts) -> int:
     from passes.fusion.rms_norm import ONNX_RMS_NORM_RULES
 
@@ -149,14 +158,16 @@ def _onnx_attention(model: Any, facts: ModelFacts) -> int:
     return count
 
 
-# Rule families by the name ``fusion.rules`` uses, in the order a target should list them.
-RULE_FAMILIES: dict[str, Callable[[Any, ModelFacts], int]] = {
+# Rule families by the name ``fusion.rules`` uses, in the order a target should list them. Each
+# returns its rewrites, or None where the graph holds nothing it applies to (no warning then).
+RULE_FAMILIES: dict[str, Callable[[Any, ModelFacts], int | None]] = {
     # ONNX Runtime's contrib kernels (target ort-cpu)
     "rms_norm": _rms_norm,
     "skip_rms_norm": _skip_rms_norm,
     "rotary_embedding": _rotary,
     "group_query_attention": _attention,
     "packed_qkv": _packed_qkv,
+    "packed_gate_up": _packed_gate_up,
     # ONNX standard ops of opset 23 (targets that parse standard ops only: TensorRT)
     "onnx_rms_norm": _onnx_rms_norm,
     "onnx_rotary_embedding": _onnx_rotary,
@@ -236,6 +247,7 @@ class FusionPass(Pass):
             "save",
         ]
         rewrites: dict[str, int] = {}
+        not_applicable: list[str] = []
         with phases("fusion", len(steps)) as phase:
             phase("optimize")
             model = prepare(ir.load(source.path / MODEL_FILE))
@@ -247,7 +259,11 @@ class FusionPass(Pass):
                 version_converter.convert_version(model, target_version=opset)
             for rule in self.config.rules:
                 phase(rule)
-                rewrites[rule] = RULE_FAMILIES[rule](model, facts)
+                count = RULE_FAMILIES[rule](model, facts)
+                if count is None:
+                    not_applicable.append(rule)
+                else:
+                    rewrites[rule] = count
             if cache_dtype != "fp32":
                 phase("kv_cache_dtype")
                 _store_cache_as(model, cache_dtype, kv, source.path, int(source.metadata["io"]["num_layers"]))
@@ -277,6 +293,7 @@ class FusionPass(Pass):
         write_metadata(out_dir, Kind.GRAPH, metadata)
         return {
             "rewrites": rewrites,
+            "not_applicable": not_applicable,
             "warnings": warnings,
             "nodes": {"before": nodes_before, "after": len(model.graph)},
             "qdq_copies": qdq_copies,

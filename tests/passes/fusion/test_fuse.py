@@ -4,6 +4,7 @@ continuation against the unfused graph, and the runtime's handling of a right-pa
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,7 @@ def test_the_pass_records_rewrites_and_parity(fused_graph: tuple[Artifact, dict]
         "group_query_attention": 2,
         "packed_qkv": 2,
     }
+    assert metrics["not_applicable"] == []
     assert metrics["warnings"] == []
     assert metrics["nodes"]["after"] < metrics["nodes"]["before"] / 3
     parity = metrics["parity_vs_input_graph"]
@@ -174,6 +176,41 @@ def test_packed_qkv_merges_the_three_projections(tiny_graph: Artifact, tmp_path:
         assert list(node.input[1:3]) == ["", ""]  # key and value come packed in query
     parity = fusion.ensures(graph, result)["parity_vs_input_graph"]
     assert parity["top1_agreement"] == 1.0 and parity["max_abs_diff"] < 1e-4
+
+
+def test_packed_gate_up_merges_the_int4_mlp_projections(tiny_graph: Artifact, tmp_path: Path) -> None:
+    """Each layer's gate and up MatMulNBits become one of twice the width, split back into
+    gate and up before SwiGLU; the logits stay those of the unfused graph. (Opt-in: no shipped
+    rule set lists the family.)"""
+    import onnx
+
+    graph = int4_graph(tiny_graph, tmp_path / "int4", 0)
+    fusion = FusionPass(rules=[*FusionPass().config.rules, "packed_gate_up"])
+    (tmp_path / "fused").mkdir()
+    assert fusion.run(graph, tmp_path / "fused")["rewrites"]["packed_gate_up"] == 2
+    result = Artifact.from_dir(Kind.GRAPH, tmp_path / "fused")
+    model = onnx.load(str(result.path / "model.onnx"))
+    intermediate = json.loads((tiny_graph.path / "config.json").read_text())["intermediate_size"]
+    splits = [n for n in model.graph.node if n.op_type == "Split"]
+    assert len(splits) == 2
+    weights = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    for split in splits:
+        assert weights[split.input[1]].tolist() == [intermediate, intermediate]
+        packed = next(n for n in model.graph.node if n.output[0] == split.input[0])
+        assert packed.op_type == "MatMulNBits"
+        assert {a.name: a.i for a in packed.attribute}["N"] == 2 * intermediate
+    parity = fusion.ensures(graph, result)["parity_vs_input_graph"]
+    assert parity["top1_agreement"] == 1.0 and parity["max_abs_diff"] < 1e-4
+
+
+def test_packed_gate_up_is_not_applicable_to_an_fp32_graph(tiny_graph: Artifact, tmp_path: Path) -> None:
+    """Listed on a graph without MatMulNBits, the family is reported not applicable, not as a
+    pattern that matched nothing (no warning), and the fp32 matmuls stay apart."""
+    fusion = FusionPass(rules=[*FusionPass().config.rules, "packed_gate_up"])
+    (tmp_path / "fused").mkdir()
+    metrics = fusion.run(tiny_graph, tmp_path / "fused")
+    assert metrics["not_applicable"] == ["packed_gate_up"] and "packed_gate_up" not in metrics["rewrites"]
+    assert metrics["warnings"] == []
 
 
 def test_lm_evals_onnxruntime_genai_backend_scores_the_fused_engine_like_ours(fused_engine: Artifact) -> None:
