@@ -125,6 +125,23 @@ class EvalConfig:
 
 
 @dataclass
+class RegistryConfig:
+    """Where a run whose gate PASSed is published (``configs/registry/``; ``pipeline/publish.py``)."""
+
+    backend: str = "local"  # local | mlflow
+    root: str = "artifacts/registry"  # local: the registry folder
+    uri: str | None = None  # mlflow: the tracking server, e.g. http://127.0.0.1:5000
+    # Registry names; by default the model option and the recipe's options (quant, then the other
+    # optimization groups not at none), e.g. llama / int4_awq+kv_cache-shared+fusion-ort.
+    model: str | None = None
+    recipe: str | None = None
+    # Also move this channel (nightly, candidate, stable) to the published version.
+    channel: str | None = None
+    # Publish without a PASS; the reason is recorded with the version.
+    force: str | None = None
+
+
+@dataclass
 class PipelineConfig:
     model: ModelConfig = MISSING
     pipeline: PipelineSettings = field(default_factory=PipelineSettings)
@@ -158,3 +175,4 @@ def register_pipeline_schemas() -> None:
     store.store(group="model", name="model_schema", node=ModelConfig)
     store.store(group="bench", name="bench_schema", node=BenchConfig)
     store.store(group="eval", name="eval_schema", node=EvalConfig)
+    store.store(group="registry", name="registry_schema", node=RegistryConfig)

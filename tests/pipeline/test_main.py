@@ -49,6 +49,7 @@ def first_run(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     workdir = tmp_path_factory.mktemp("cli")
     result = run_pipeline(tiny_llama, workdir, "run1", *QUICK_BENCH)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "not published: no gate verdict (not-run)" in result.stdout  # eval=none: nothing to trust
     return workdir, json.loads((workdir / "run1" / "manifest.json").read_text())
 
 

@@ -26,7 +26,22 @@ def int8_run(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tupl
         tiny_llama, workdir, "run", "bench=none", *quant, "quant.sensitivity.enabled=false", *GATE
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "published llama/int8/ort-cpu@1 to artifacts/registry" in result.stdout
     return workdir, json.loads((workdir / "run" / "manifest.json").read_text())
+
+
+def test_a_passing_run_is_published_and_pulls_back_intact(
+    int8_run: tuple[Path, dict], tmp_path: Path
+) -> None:
+    from pipeline.artifacts import file_digests
+    from pipeline.registry import LocalRegistry, Ref
+
+    workdir, manifest = int8_run
+    store = LocalRegistry(workdir / "artifacts" / "registry")
+    record = store.resolve(Ref.parse("llama/int8@1"))
+    assert record["engine"]["digest"] == manifest["engine"]["digest"] and record["forced"] is None
+    pulled = store.pull(Ref.parse("llama/int8"), tmp_path / "pulled")
+    assert file_digests(pulled / "engine") == file_digests(workdir / "run" / "engine")
 
 
 def test_gate_pairs_the_engine_with_the_reference(int8_run: tuple[Path, dict]) -> None:
@@ -55,6 +70,7 @@ def test_a_failing_gate_exits_3_with_the_record_written(
     assert result.stderr.strip().splitlines()[-1].startswith("gate FAIL: reasoning: recovery")
     manifest = json.loads((workdir / "strict" / "manifest.json").read_text())
     assert manifest["gate"]["verdict"] == "FAIL" and "Eval gate" in result.stdout
+    assert "not published: the gate FAILed" in result.stdout
     # Both engines' scores came from the cache of the first run: same items, same numbers.
     assert (
         manifest["gate"]["suites"]["reasoning"]["difference"]
@@ -68,6 +84,9 @@ def test_a_failing_gate_exits_3_with_the_record_written(
         (["eval.suites=[reasonin]"], "error: eval.suites: unknown suite 'reasonin'; choose from"),
         (["eval.suites=[]"], "error: eval.suites is empty"),
         (["eval.rank_metric=f1"], "error: eval.rank_metric='f1': choose one of acc, acc_norm"),
+        (["registry.channel=prod"], "error: unknown channel 'prod': use one of nightly, candidate, stable"),
+        (["registry.recipe=../x"], "error: registry.recipe '../x' is not a registry name"),
+        (["registry=mlflow"], "error: registry=mlflow needs registry.uri (e.g. http://127.0.0.1:5000)"),
     ],
 )
 def test_bad_eval_settings_are_one_line(

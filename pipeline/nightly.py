@@ -1,0 +1,75 @@
+"""Nightly builds: ``+nightly=true`` on a Hydra multirun over the model x recipe matrix.
+
+    python -m pipeline -m model=llama quant=none,fp8,int8,int4_awq hydra/launcher=joblib +nightly=true
+
+The launcher plugin runs the jobs (joblib here; submitit for SLURM or Ray on a cluster; we
+write no scheduler). A nightly job runs the full gate unless an ``eval`` option is given, and a
+PASS is published to the registry's ``nightly`` channel unless ``registry.channel`` says
+otherwise. Each job writes ``job_status.json`` (exit code, last line) in its folder instead of
+exiting, so one failing recipe does not stop the others; :class:`SweepStatus` (a Hydra callback
+in ``configs/pipeline.yaml``) prints one line per job when the sweep ends and exits with the
+worst code.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from pipeline.artifacts import write_json
+
+NIGHTLY_CHANNEL = "nightly"
+JOB_STATUS = "job_status.json"
+
+
+def apply_nightly(cfg: DictConfig, overrides: list[str]) -> None:
+    """The nightly defaults, under what the command line set: the full gate (with its ``eval.*``
+    overrides) when no eval option is chosen, and the ``nightly`` channel."""
+    from pipeline.gate import load_eval_config
+
+    with open_dict(cfg):
+        if not cfg.eval.enabled:
+            settings = [o.removeprefix("eval.") for o in overrides if o.startswith("eval.")]
+            cfg.eval = OmegaConf.structured(load_eval_config("full", settings))
+        if cfg.registry and cfg.registry.channel is None:
+            cfg.registry.channel = NIGHTLY_CHANNEL
+
+
+def write_job_status(run_dir: Path, code: int, message: str) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / JOB_STATUS, {"exit_code": code, "message": message})
+
+
+class SweepStatus(Callback):
+    """At the end of a multirun: one line per job (the overrides the sweep varied, the exit code,
+    the last line), and the sweep's exit code is the worst job's
+    (2 bad input, 3 gate FAIL, 130 interrupted; a job that wrote no status counts as 1)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep = Path(config.hydra.sweep.dir)
+        jobs = sorted(
+            (p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
+        )
+        overrides = {job: _job_overrides(job) for job in jobs}
+        shared = set.intersection(*(set(o) for o in overrides.values())) if jobs else set()
+        worst = 0
+        for job in jobs:
+            status_file = job / JOB_STATUS
+            status = json.loads(status_file.read_text()) if status_file.is_file() else None
+            code = 1 if status is None else int(status["exit_code"])
+            message = "no status written (the job crashed)" if status is None else status["message"]
+            varied = " ".join(o for o in overrides[job] if o not in shared)  # what the sweep varied
+            print(f"job {job.name} [{varied}]: exit {code}: {message}", file=sys.stderr)
+            worst = max(worst, code)
+        if worst:
+            sys.exit(worst)
+
+
+def _job_overrides(job: Path) -> list[str]:
+    path = job / ".hydra" / "overrides.yaml"
+    return [str(o) for o in OmegaConf.load(path)] if path.is_file() else []

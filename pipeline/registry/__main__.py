@@ -1,0 +1,179 @@
+"""``python -m pipeline.registry``: list, show, pull, promote, publish, verify and gc.
+
+    python -m pipeline.registry list
+    python -m pipeline.registry show llama/fp8@stable
+    python -m pipeline.registry pull llama/fp8@stable --to DIR      # every sha256 checked
+    python -m pipeline.registry promote llama/fp8@3 --channel stable
+    python -m pipeline.registry publish artifacts/runs/<time> --model llama --recipe fp8 [--force WHY]
+    python -m pipeline.registry verify                                # exit 1 when anything is wrong
+    python -m pipeline.registry gc
+    python -m pipeline.registry --uri http://127.0.0.1:5000 list      # the MLflow backend
+
+Bad input (a bad name, an unknown version, a refused publish, a corrupt blob on pull) prints one
+``error:`` line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.registry import CHANNELS, DEFAULT_ROOT, Ref, RegistryError, open_registry
+from pipeline.registry.records import Registry
+
+
+def _list(store: Registry, args: argparse.Namespace) -> int:
+    index = store.index()
+    if args.json:
+        print(json.dumps(index, indent=2))
+        return 0
+    table = Table(title=f"Registry {store.root}")
+    for column in ("model/recipe/target", "version", "channels", "gate", "published", "size"):
+        table.add_column(column)
+    for entry in index["versions"]:
+        key = f"{entry['model']}/{entry['recipe']}/{entry['target']}"
+        channels = [c for c, v in index["channels"].get(key, {}).items() if v == entry["version"]]
+        gate = entry["verdict"] + (f" (forced: {entry['forced']})" if entry["forced"] else "")
+        size = f"{entry['bytes'] / 2**20:.0f} MiB"
+        table.add_row(key, str(entry["version"]), ", ".join(channels), gate, entry["published_at"], size)
+    Console().print(table if index["versions"] else f"{store.root}: nothing published yet")
+    return 0
+
+
+def _show(store: Registry, args: argparse.Namespace) -> int:
+    record = store.resolve(Ref.parse(args.ref, args.target))
+    if args.json:
+        print(json.dumps(record, indent=2, default=str))
+        return 0
+    manifest = record["manifest"]
+    lines = [
+        f"{record['model']}/{record['recipe']}/{record['target']}@{record['version']}",
+        f"  published {record['published_at']} by {record['published_by']} from {record['run']}",
+        f"  gate: {record['gate']['verdict']}"
+        + (f" (forced: {record['forced']})" if record["forced"] else f" ({record['gate'].get('reason')})"),
+        f"  engine digest {record['engine']['digest']}",
+        f"  source {manifest['source'].get('digest', '?')[:12]}, overrides {manifest.get('overrides')}",
+    ]
+    for suite, row in ((manifest.get("gate") or {}).get("suites") or {}).items():
+        lines.append(f"  {suite}: {_suite_line(row)}")
+    if bench := manifest.get("benchmark"):
+        lines.append(f"  benchmark: {_bench_line(bench)}")
+    for entry in record["engine"]["files"]:
+        lines.append(f"    {entry['sha256'][:12]}  {entry['bytes']:>12,}  {entry['path']}")
+    print("\n".join(lines))
+    return 0
+
+
+def _suite_line(row: dict[str, Any]) -> str:
+    keys = ("baseline", "candidate", "difference", "verdict")
+    return ", ".join(f"{k} {row[k]}" for k in keys if k in row)
+
+
+def _bench_line(bench: dict[str, Any]) -> str:
+    parts = [f"TPOT {bench['tpot']['median_ms']:.1f} ms"] if bench.get("tpot") else []
+    for length, timing in (bench.get("ttft") or {}).items():
+        parts.append(f"TTFT@{length} {timing['median_ms']:.0f} ms")
+    return ", ".join(parts) or "not measured"
+
+
+def _pull(store: Registry, args: argparse.Namespace) -> int:
+    folder = store.pull(
+        Ref.parse(args.ref, args.target),
+        args.to,
+        tensorrt_version=args.tensorrt_version,
+        gpu_arch=args.gpu_arch,
+    )
+    print(f"pulled {args.ref} into {folder} (every sha256 checked)")
+    return 0
+
+
+def _promote(store: Registry, args: argparse.Namespace) -> int:
+    moved = store.promote(Ref.parse(args.ref, args.target), args.channel, args.reason)
+    print(f"{args.channel} -> version {moved['version']} (moved {len(moved['history'])} times)")
+    return 0
+
+
+def _publish(store: Registry, args: argparse.Namespace) -> int:
+    record = store.publish(
+        args.run_dir, model=args.model, recipe=args.recipe, channel=args.channel, force=args.force
+    )
+    print(f"published {record['model']}/{record['recipe']}/{record['target']}@{record['version']}")
+    return 0
+
+
+def _verify(store: Registry, args: argparse.Namespace) -> int:
+    problems = store.verify()
+    for problem in problems:
+        print(problem)
+    versions = len(store.index()["versions"])
+    print(f"{store.root}: {versions} versions, {len(problems)} problems")
+    return 1 if problems else 0
+
+
+def _gc(store: Registry, args: argparse.Namespace) -> int:
+    freed = store.gc()
+    print(
+        f"removed {freed['staging_files']} staging files and {freed['orphan_blobs']} unreferenced blobs "
+        f"({freed['bytes_freed'] / 2**20:.1f} MiB)"
+    )
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.registry", description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="the local registry folder")
+    parser.add_argument("--uri", help="an MLflow tracking server instead, e.g. http://127.0.0.1:5000")
+    commands = parser.add_subparsers(dest="command", required=True)
+    listing = commands.add_parser("list", help="every version and its channels")
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(run=_list)
+    for name, run, text in (
+        ("show", _show, "one version's record"),
+        ("pull", _pull, "copy a version out, sha256-checked"),
+        ("promote", _promote, "move a channel to a version"),
+    ):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("ref", help="<model>/<recipe>[/<target>][@<version|channel>]")
+        sub.add_argument("--target", help="the engine target (default ort-cpu, or the one the ref names)")
+        sub.set_defaults(run=run)
+        if name == "show":
+            sub.add_argument("--json", action="store_true")
+        if name == "pull":
+            sub.add_argument("--to", type=Path, required=True, help="a new folder")
+            sub.add_argument("--tensorrt-version", help="refuse an engine built for another TensorRT")
+            sub.add_argument("--gpu-arch", help="refuse an engine built for another compute capability")
+        if name == "promote":
+            sub.add_argument("--channel", required=True, choices=CHANNELS)
+            sub.add_argument("--reason", help="recorded in the channel's history")
+    publish = commands.add_parser("publish", help="publish a run folder's engine (gate PASS only)")
+    publish.add_argument("run_dir", type=Path)
+    publish.add_argument("--model", required=True)
+    publish.add_argument("--recipe", required=True)
+    publish.add_argument("--channel", choices=CHANNELS)
+    publish.add_argument("--force", metavar="REASON", help="publish without a PASS; the reason is recorded")
+    publish.set_defaults(run=_publish)
+    commands.add_parser("verify", help="check every blob, version and channel").set_defaults(run=_verify)
+    commands.add_parser("gc", help="remove what no version references").set_defaults(run=_gc)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return int(args.run(open_registry(args.root, args.uri), args))
+    except RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing half-written is visible; `gc` removes what was staged", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
