@@ -216,7 +216,7 @@ def _cell(value: float | None, digits: int = 3) -> str:
 
 def _row(label: str, build: Build | None, suites: list[str]) -> str:
     if build is None:
-        return f"<tr><td>{label}</td><td colspan='{6 + len(suites)}'>-</td></tr>"
+        return f"<tr><td>{label}</td><td colspan='{7 + len(suites)}'>-</td></tr>"  # the other columns
     verdict = build.verdict + (f" (forced: {html.escape(build.forced)})" if build.forced else "")
     cells = [
         label,

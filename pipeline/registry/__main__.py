@@ -71,8 +71,12 @@ def _show(store: Registry, args: argparse.Namespace) -> int:
 
 
 def _suite_line(row: dict[str, Any]) -> str:
-    keys = ("baseline", "candidate", "difference", "verdict")
-    return ", ".join(f"{k} {row[k]}" for k in keys if k in row)
+    if "candidate_mean" not in row:
+        return str(row.get("verdict", "?"))
+    line = f"{row['baseline_mean']:.1%} -> {row['candidate_mean']:.1%}"
+    if "ci_low" in row:
+        line += f", difference {row['difference']:+.1%} [{row['ci_low']:+.1%}, {row['ci_high']:+.1%}]"
+    return f"{line}, {row.get('verdict', '?')}"
 
 
 def _bench_line(bench: dict[str, Any]) -> str:
