@@ -192,3 +192,22 @@ def test_gc_deletes_the_run_of_a_publisher_that_never_made_its_version(mlflow_ur
     assert store.gc(grace_seconds=3600)["orphan_blobs"] == 0  # too recent: maybe still uploading
     assert store.gc(grace_seconds=0)["orphan_blobs"] >= 1
     assert client.get_run(orphan.info.run_id).info.lifecycle_stage == "deleted"
+
+
+def test_a_pipeline_run_publishes_to_mlflow(
+    mlflow_uri: tuple[str, Path], tiny_llama: Path, tmp_path: Path
+) -> None:
+    """``python -m pipeline ... registry=mlflow registry.uri=...`` on the tiny Llama (no gate, so
+    forced with a reason), then pulled back through the Python API by channel."""
+    from pipeline import registry
+    from tests.pipeline.test_main import run_pipeline
+
+    uri, _ = mlflow_uri
+    settings = ["bench=none", "registry=mlflow", f"registry.uri={uri}", "registry.channel=candidate"]
+    result = run_pipeline(tiny_llama, tmp_path, "run", *settings, "registry.force=smoke test")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        f"published llama/none/ort-cpu@1 (channel candidate) [forced: smoke test] to {uri}" in result.stdout
+    )
+    folder = registry.pull(model="llama", quant="none", channel="candidate", uri=uri, to=tmp_path / "pulled")
+    assert file_digests(folder / "engine") == file_digests(tmp_path / "run" / "engine")
