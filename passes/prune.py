@@ -392,6 +392,8 @@ class PrunePass(Pass):
             "layers_kept": kept_record["layers"],
             "heads_kept": kept_record["heads"],
             "block_importance": [round(float(v), 6) for v in importance.layers],
+            # The unpruned checkpoint, for distillation (passes/distill.py checks the digest).
+            "teacher": {"path": str(source.path.resolve()), "digest": source.digest},
         }
         write_metadata(out_dir, Kind.TORCH, {**source.metadata, "prune": info})
         log.info(

@@ -32,6 +32,10 @@ class Pass(ABC):
     version: ClassVar[int] = 1
     consumes: ClassVar[Kind]
     produces: ClassVar[Kind]
+    # Set by the pass manager before ``run``: a folder that survives an interrupted run of this
+    # pass on this input with this config (and is removed once its output is cached), where a
+    # long pass keeps checkpoints to resume from. None when run outside the manager.
+    checkpoint_dir: Path | None = None
 
     def __init__(self, **config: Any) -> None:
         try:

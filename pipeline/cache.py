@@ -89,6 +89,13 @@ class Cache:
                 log.info("removing unfinished cache entry %s (its run was interrupted)", stale.name)
                 shutil.rmtree(stale, ignore_errors=True)
 
+    def checkpoint_dir(self, key: str) -> Path:
+        """A folder for ``key``'s checkpoints that outlives an interrupted run (``.checkpoints/``);
+        :meth:`commit` removes it."""
+        path = self.root / ".checkpoints" / key
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
     def lookup(self, key: str, kind: Kind) -> CacheEntry | None:
         """Return the verified entry for ``key``; a corrupted entry is evicted and ignored."""
         if not self.enabled:
@@ -135,5 +142,6 @@ class Cache:
                 raise
             shutil.rmtree(staging, ignore_errors=True)
             record = json.loads((final / ENTRY_FILE).read_text())
+        shutil.rmtree(self.root / ".checkpoints" / key, ignore_errors=True)  # the work is done
         output = final / OUTPUT_DIR
         return CacheEntry(key, Artifact.from_dir(kind, output, record["output_digest"]), record)

@@ -81,6 +81,7 @@ class PassManager:
 
         log.info("pass %d/%d %s: running", index, len(self.passes), step.name)
         step.requires(source)
+        step.checkpoint_dir = self.cache.checkpoint_dir(key)
         start = time.perf_counter()
         with self.cache.stage(key) as staging:
             out_dir = staging / "output"

@@ -1,0 +1,311 @@
+"""Knowledge distillation of a pruned student from its unpruned teacher (torch stage), as Minitron
+recovers pruned models: Muralidharan et al. 2024, "Compact Language Models via Pruning and
+Knowledge Distillation", section 3 (logit KD, optionally with intermediate-state losses), after
+Hinton et al. 2015, "Distilling the Knowledge in a Neural Network".
+
+Loss per token: ``T^2 KL(softmax(z_teacher / T) || softmax(z_student / T))``, plus, with
+``hidden_weight > 0``, that weight times the MSE between each student layer's output and the
+output of the teacher layer it was cut from (``prune`` records which; needs an unpruned hidden
+size). Optimizer: AdamW, linear warm-up over ``warmup_ratio`` of the steps, then cosine decay
+to zero; ``batch_size`` sequences per step as ``batch_size / micro_batch_size`` accumulated
+micro-batches. Data: token windows of the shipped calibration text (``calibration/data``; the
+eval suites are synthetic and the quality text is GPL-3, so neither is trained on), reshuffled
+every epoch; ``HOLDOUT`` windows are never trained on and measure perplexity and KL against the
+teacher before and after.
+
+The teacher is the checkpoint the prune pass started from (its path and digest are in the
+student's metadata; the digest is checked). Every ``checkpoint_every`` steps the student,
+optimizer, schedule, data order and loss history are saved to the pass's checkpoint folder (kept
+by the pass manager across interrupted runs), so a killed run resumes at the step it reached and
+ends with the same weights as an uninterrupted one. Defaults fit the 2-core CPU: see
+``configs/distill/kd.yaml`` for the measured budget.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from calibration.datasets import DATASETS, calibration_text
+from passes.prune import WEIGHT_SUFFIXES, holdout_quality
+from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, folder_digest, sha256_file, write_metadata
+from pipeline.base import Pass
+from pipeline.config import register_pass
+from pipeline.errors import PassError
+
+log = logging.getLogger(__name__)
+
+HOLDOUT = 8  # windows never trained on: perplexity and KL vs the teacher, before and after
+CHECKPOINT_FILE = "distill_state.pt"
+CURVE_EVERY = 5  # steps between points of the loss curve kept in the record
+
+
+@dataclass
+class DistillConfig:
+    """Logit (and optionally hidden-state) distillation from the unpruned teacher."""
+
+    _target_: str = "passes.distill.DistillPass"
+    steps: int = 120
+    seq_len: int = 256
+    batch_size: int = 8  # sequences per optimizer step
+    micro_batch_size: int = 2  # sequences per forward/backward (batch_size / this are accumulated)
+    lr: float = 2e-4
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.1
+    temperature: float = 1.0
+    hidden_weight: float = 0.0
+    checkpoint_every: int = 20
+    dataset: str = "python_reference"
+    seed: int = 0
+
+
+register_pass("distill", "distill", DistillConfig)
+
+
+def validate(config: DistillConfig) -> None:
+    checks = {
+        "steps": config.steps >= 1,
+        "seq_len": config.seq_len >= 8,
+        "micro_batch_size": config.micro_batch_size >= 1,
+        "batch_size": config.batch_size >= config.micro_batch_size >= 1
+        and config.batch_size % config.micro_batch_size == 0,
+        "lr": config.lr > 0,
+        "warmup_ratio": 0 <= config.warmup_ratio < 1,
+        "temperature": config.temperature > 0,
+        "hidden_weight": config.hidden_weight >= 0,
+        "checkpoint_every": config.checkpoint_every >= 1,
+    }
+    checks["dataset"] = config.dataset in DATASETS
+    for knob, ok in checks.items():
+        if not ok:
+            hint = {
+                "batch_size": " (a multiple of micro_batch_size)",
+                "dataset": f" (choose one of {', '.join(sorted(DATASETS))})",
+            }.get(knob, "")
+            raise PassError(f"distill.{knob}={getattr(config, knob)!r} is out of range{hint}")
+
+
+def learning_rate(step: int, config: DistillConfig) -> float:
+    """Linear warm-up, then cosine decay to zero (``step`` counts from 0)."""
+    warmup = max(1, round(config.steps * config.warmup_ratio)) if config.warmup_ratio else 0
+    if step < warmup:
+        return config.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, config.steps - warmup)
+    return config.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def kd_loss(student_logits: Any, teacher_logits: Any, temperature: float) -> Any:
+    """Mean over tokens of ``T^2 KL(teacher || student)`` at temperature ``T``."""
+    import torch
+
+    t = torch.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    s = torch.log_softmax(student_logits.float() / temperature, dim=-1)
+    per_token = (t.exp() * (t - s)).sum(-1)
+    return per_token.mean() * temperature**2
+
+
+def teacher_of(source: Artifact) -> Path:
+    """The unpruned checkpoint the student came from, checked against the recorded digest."""
+    teacher = (source.metadata.get("prune") or {}).get("teacher")
+    if not teacher:
+        raise PassError(
+            "distill: the student has no teacher on record; distill=kd follows a prune pass (prune=...)"
+        )
+    path = Path(teacher["path"])
+    if not (path / "config.json").is_file():
+        raise PassError(f"distill: the teacher checkpoint {path} is gone; rerun the prune pass")
+    if folder_digest(path) != teacher["digest"]:
+        raise PassError(f"distill: the teacher checkpoint {path} changed since pruning; rerun the prune pass")
+    return path
+
+
+class DistillPass(Pass):
+    """Torch -> torch: the distilled student."""
+
+    Config = DistillConfig
+    name = "distill"
+    version = 1
+    consumes = Kind.TORCH
+    produces = Kind.TORCH
+
+    def requires(self, source: Artifact) -> None:
+        validate(self.config)
+        teacher = teacher_of(source)
+        mine, theirs = source.path / "tokenizer.json", teacher / "tokenizer.json"
+        if not mine.is_file() or not theirs.is_file() or sha256_file(mine) != sha256_file(theirs):
+            raise PassError(
+                "distill: the student's tokenizer differs from the teacher's; both must share one"
+            )
+        if self.config.hidden_weight:
+            hidden = json.loads((source.path / "config.json").read_text())["hidden_size"]
+            if hidden != json.loads((teacher / "config.json").read_text())["hidden_size"]:
+                raise PassError(
+                    "distill.hidden_weight needs the student's hidden size to equal the teacher's "
+                    "(prune.hidden_ratio=0); set distill.hidden_weight=0"
+                )
+
+    def _data(self, tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(training windows, held-out windows) of the calibration text: every whole window of
+        ``seq_len`` tokens, ``HOLDOUT`` of them (seeded) set aside."""
+        config = self.config
+        ids = np.asarray(tokenizer(calibration_text(config.dataset), add_special_tokens=False)["input_ids"])
+        total = len(ids) // config.seq_len
+        if total < HOLDOUT + config.batch_size:
+            raise PassError(
+                f"distill.seq_len={config.seq_len}: the calibration text holds {total} windows, fewer than "
+                f"{HOLDOUT} held out + one batch of {config.batch_size}; lower seq_len or batch_size"
+            )
+        every = ids[: total * config.seq_len].reshape(total, config.seq_len).astype(np.int64)
+        order = np.random.default_rng(config.seed).permutation(total)
+        return every[np.sort(order[HOLDOUT:])], every[np.sort(order[:HOLDOUT])]
+
+    def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
+        import torch
+        from tqdm import tqdm
+
+        from pipeline.torch_model import load_causal_lm, load_tokenizer
+
+        config = self.config
+        validate(config)
+        teacher_path = teacher_of(source)
+        teacher = load_causal_lm(teacher_path)
+        student = load_causal_lm(source.path)
+        for parameter in teacher.parameters():
+            parameter.requires_grad_(False)
+        train, holdout = self._data(load_tokenizer(source.path))
+        before = holdout_quality(teacher, student, holdout)
+        layer_map = (source.metadata.get("prune") or {}).get("layers_kept") or list(
+            range(len(student.model.layers))
+        )
+
+        torch.manual_seed(config.seed)
+        optimizer = torch.optim.AdamW(student.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: learning_rate(s, config) / config.lr
+        )
+        state = {"step": 0, "curve": [], "epoch_orders": []}
+        resumed_from = self._resume(student, optimizer, schedule, state)
+        rng = np.random.default_rng(config.seed)
+        for _ in range(len(state["epoch_orders"])):
+            rng.permutation(len(train))  # the same data order as the uninterrupted run
+        queue: list[int] = [i for order in state["epoch_orders"] for i in order][
+            state["step"] * config.batch_size :
+        ]
+
+        student.train()
+        accumulate = config.batch_size // config.micro_batch_size
+        bar = tqdm(total=config.steps, initial=state["step"], desc="distill", unit="step")
+        try:
+            while state["step"] < config.steps:
+                while len(queue) < config.batch_size:
+                    order = rng.permutation(len(train)).tolist()
+                    state["epoch_orders"].append(order)
+                    queue.extend(order)
+                batch, queue = queue[: config.batch_size], queue[config.batch_size :]
+                optimizer.zero_grad(set_to_none=True)
+                total = 0.0
+                for start in range(0, config.batch_size, config.micro_batch_size):
+                    ids = torch.from_numpy(
+                        np.ascontiguousarray(train[batch[start : start + config.micro_batch_size]])
+                    )
+                    loss = self._loss(teacher, student, ids, layer_map) / accumulate
+                    loss.backward()
+                    total += float(loss.detach())
+                torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+                optimizer.step()
+                schedule.step()
+                state["step"] += 1
+                if state["step"] % CURVE_EVERY == 0 or state["step"] in (1, config.steps):
+                    state["curve"].append([state["step"], round(total, 5)])
+                bar.set_postfix(loss=f"{total:.4f}", lr=f"{schedule.get_last_lr()[0]:.2e}")
+                bar.update()
+                if state["step"] % config.checkpoint_every == 0 and state["step"] < config.steps:
+                    self._save(student, optimizer, schedule, state)
+        finally:
+            bar.close()
+        student.eval()
+        after = holdout_quality(teacher, student, holdout)
+
+        for path in source.path.iterdir():  # tokenizer, templates, extras of earlier passes
+            if path.name == ARTIFACT_FILE or path.name.endswith(WEIGHT_SUFFIXES):
+                continue
+            if path.is_dir():
+                shutil.copytree(path, out_dir / path.name)
+            else:
+                shutil.copy2(path, out_dir / path.name)
+        student.save_pretrained(out_dir, safe_serialization=True)
+        info = {"algorithm": "logit-kd", **asdict(config), "teacher": str(teacher_path)}
+        info.pop("_target_")
+        write_metadata(out_dir, Kind.TORCH, {**source.metadata, "distill": info})
+        log.info(
+            "distill: held-out perplexity %.2f -> %.2f (teacher %.2f), KL %.4f -> %.4f",
+            before["perplexity"], after["perplexity"], before["teacher_perplexity"],
+            before["kl_vs_teacher"], after["kl_vs_teacher"],
+        )  # fmt: skip
+        return {
+            "holdout_before": before,
+            "holdout_after": after,
+            "loss_curve": state["curve"],
+            "resumed_from_step": resumed_from,
+            "tokens_trained": config.steps * config.batch_size * config.seq_len,
+        }
+
+    def _loss(self, teacher: Any, student: Any, ids: Any, layer_map: list[int]) -> Any:
+        import torch
+
+        hidden = self.config.hidden_weight > 0
+        with torch.no_grad():
+            t_out = teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden)
+        s_out = student(input_ids=ids, use_cache=False, output_hidden_states=hidden)
+        loss = kd_loss(s_out.logits, t_out.logits, self.config.temperature)
+        if hidden:  # hidden_states[i + 1] is layer i's output
+            pairs = [
+                (s_out.hidden_states[i + 1], t_out.hidden_states[t + 1]) for i, t in enumerate(layer_map)
+            ]
+            mse = sum(torch.nn.functional.mse_loss(s, t) for s, t in pairs) / len(pairs)
+            loss = loss + self.config.hidden_weight * mse
+        return loss
+
+    def _save(self, student: Any, optimizer: Any, schedule: Any, state: dict[str, Any]) -> None:
+        import torch
+
+        if self.checkpoint_dir is None:
+            return
+        payload = {
+            "config": asdict(self.config),
+            "state": state,
+            "student": student.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "schedule": schedule.state_dict(),
+        }
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        path = self.checkpoint_dir / CHECKPOINT_FILE
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+        log.info("distill: checkpoint at step %d", state["step"])
+
+    def _resume(self, student: Any, optimizer: Any, schedule: Any, state: dict[str, Any]) -> int:
+        """Load the last checkpoint of this pass (same input and config), if any; its step."""
+        import torch
+
+        path = self.checkpoint_dir / CHECKPOINT_FILE if self.checkpoint_dir else None
+        if path is None or not path.is_file():
+            return 0
+        payload = torch.load(path, weights_only=False)
+        if payload["config"] != asdict(self.config):
+            return 0
+        student.load_state_dict(payload["student"])
+        optimizer.load_state_dict(payload["optimizer"])
+        schedule.load_state_dict(payload["schedule"])
+        state.update(payload["state"])
+        log.info("distill: resuming at step %d of %d", state["step"], self.config.steps)
+        return int(state["step"])

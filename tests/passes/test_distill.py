@@ -1,0 +1,133 @@
+"""The distill pass on the tiny random Llama pruned by the prune pass: a step lowers the KD loss,
+a killed run resumes from its checkpoint to the same weights, bad input is one line."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from passes.distill import DistillPass, kd_loss, learning_rate
+from pipeline.artifacts import Artifact, Kind
+from pipeline.errors import PassError
+from tests.conftest import make_tiny_llama
+from tests.passes.test_prune import prune
+
+SMALL = {"seq_len": 32, "batch_size": 2, "micro_batch_size": 1, "lr": 1e-3}
+
+
+@pytest.fixture(scope="module")
+def pruned(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Artifact:
+    artifact, _ = prune(tiny_llama, tmp_path_factory.mktemp("pruned") / "out", mlp_ratio=0.5, depth_ratio=0.5)
+    return artifact
+
+
+def distill(source: Artifact, out: Path, checkpoints: Path, **config: object) -> tuple[Artifact, dict]:
+    step = DistillPass(**{**SMALL, **config})
+    step.checkpoint_dir = checkpoints
+    step.requires(source)
+    out.mkdir()
+    metrics = step.run(source, out)
+    return Artifact.from_dir(Kind.TORCH, out), metrics
+
+
+def test_one_step_lowers_the_kd_loss_on_a_fixed_batch(pruned: Artifact) -> None:
+    import torch
+
+    from pipeline.torch_model import load_causal_lm
+
+    teacher = load_causal_lm(Path(pruned.metadata["prune"]["teacher"]["path"]))
+    student = load_causal_lm(pruned.path).train()
+    ids = torch.randint(3, 320, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        target = teacher(input_ids=ids).logits
+
+    def loss() -> torch.Tensor:
+        return kd_loss(student(input_ids=ids).logits, target, temperature=2.0)
+
+    before = loss()
+    before.backward()
+    torch.optim.AdamW(student.parameters(), lr=1e-3).step()
+    with torch.no_grad():
+        assert float(loss()) < float(before)
+
+
+def test_distillation_recovers_and_records_its_curve(pruned: Artifact, tmp_path: Path) -> None:
+    result, metrics = distill(pruned, tmp_path / "out", tmp_path / "ckpt", steps=6)
+    assert metrics["holdout_after"]["kl_vs_teacher"] < metrics["holdout_before"]["kl_vs_teacher"]
+    assert [point[0] for point in metrics["loss_curve"]] == [1, 5, 6]
+    assert metrics["resumed_from_step"] == 0 and metrics["tokens_trained"] == 6 * 2 * 32
+    assert result.metadata["distill"]["steps"] == 6 and (result.path / "tokenizer.json").is_file()
+    config = json.loads((result.path / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1  # the student's shape is kept
+
+
+def test_a_killed_run_resumes_at_its_checkpoint_with_the_same_result(
+    pruned: Artifact, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    whole, _ = distill(pruned, tmp_path / "whole", tmp_path / "ckpt-whole", steps=4, checkpoint_every=2)
+    calls = {"n": 0}
+    original = DistillPass._loss
+
+    def dies_in_step_three(self: DistillPass, *args: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 5:  # 2 micro-batches a step: the first of step 3
+            raise KeyboardInterrupt
+        return original(self, *args)
+
+    monkeypatch.setattr(DistillPass, "_loss", dies_in_step_three)
+    with pytest.raises(KeyboardInterrupt):
+        distill(pruned, tmp_path / "first", tmp_path / "ckpt", steps=4, checkpoint_every=2)
+    monkeypatch.setattr(DistillPass, "_loss", original)
+    resumed, metrics = distill(pruned, tmp_path / "second", tmp_path / "ckpt", steps=4, checkpoint_every=2)
+    assert metrics["resumed_from_step"] == 2
+    a, b = load_file(whole.path / "model.safetensors"), load_file(resumed.path / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)
+
+
+def test_the_schedule_warms_up_then_decays_to_zero() -> None:
+    from passes.distill import DistillConfig
+
+    config = DistillConfig(steps=100, lr=1e-3, warmup_ratio=0.1)
+    rates = [learning_rate(step, config) for step in range(100)]
+    assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3)
+    assert max(rates) == pytest.approx(1e-3) and rates[-1] < 1e-5
+    assert all(a >= b for a, b in itertools.pairwise(rates[9:]))
+
+
+def test_without_a_pruned_student_or_with_another_tokenizer_it_refuses(
+    tiny_llama: Path, pruned: Artifact, tmp_path: Path
+) -> None:
+    with pytest.raises(PassError, match="no teacher on record; distill=kd follows a prune pass"):
+        DistillPass(**SMALL).requires(Artifact.from_dir(Kind.TORCH, tiny_llama))
+    (tmp_path / "student").mkdir()
+    for path in pruned.path.iterdir():
+        (tmp_path / "student" / path.name).write_bytes(path.read_bytes())
+    other = make_tiny_llama(tmp_path / "other-tokenizer")
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    tokenizer["added_tokens"][0]["content"] = "<|other|>"
+    (tmp_path / "student" / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(PassError, match="the student's tokenizer differs from the teacher's"):
+        DistillPass(**SMALL).requires(Artifact.from_dir(Kind.TORCH, tmp_path / "student"))
+    with pytest.raises(PassError, match=r"distill\.batch_size=3 is out of range"):
+        DistillPass(**{**SMALL, "batch_size": 3, "micro_batch_size": 2}).requires(pruned)
+
+
+def test_prune_then_distill_from_the_command_line(tiny_llama: Path, tmp_path: Path) -> None:
+    from tests.pipeline.test_main import run_pipeline
+
+    settings = ["prune=width25", "prune.calibration.num_samples=4", "prune.calibration.seq_len=32"]
+    kd = ["distill=kd", "distill.steps=3", "distill.seq_len=32", "distill.batch_size=2", "bench=none"]
+    result = run_pipeline(tiny_llama, tmp_path, "run", *settings, *kd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert [p["name"] for p in manifest["passes"]] == ["prune", "distill", "export", "build"]
+    assert manifest["passes"][1]["metrics"]["loss_curve"][-1][0] == 3
+    assert not list((tmp_path / "cache" / ".checkpoints").glob("*/*"))  # removed once cached
