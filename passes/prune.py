@@ -327,7 +327,7 @@ class PrunePass(Pass):
 
     Config = PruneConfig
     name = "prune"
-    version = 1
+    version = 2  # 2: the teacher (path, digest) in the metadata, for distill
     consumes = Kind.TORCH
     produces = Kind.TORCH
 
