@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from calibration.datasets import DATASETS, calibration_text
-from passes.prune import WEIGHT_SUFFIXES, holdout_quality
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, folder_digest, sha256_file, write_metadata
+from passes.prune import holdout_quality
+from pipeline.artifacts import Artifact, Kind, folder_digest, sha256_file, write_metadata
 from pipeline.base import Pass
 from pipeline.config import register_pass
 from pipeline.errors import PassError
@@ -56,7 +55,9 @@ class DistillConfig:
     steps: int = 120
     seq_len: int = 256
     batch_size: int = 8  # sequences per optimizer step
-    micro_batch_size: int = 2  # sequences per forward/backward (batch_size / this are accumulated)
+    # Sequences per forward/backward; batch_size / micro_batch_size are accumulated. One micro-batch
+    # of 8 runs 5x faster a step than 4 of 2 on 2 cores (16 vs 80 s, measured), memory permitting.
+    micro_batch_size: int = 8
     lr: float = 2e-4
     weight_decay: float = 0.01
     warmup_ratio: float = 0.1
@@ -87,7 +88,7 @@ def validate(config: DistillConfig) -> None:
     for knob, ok in checks.items():
         if not ok:
             hint = {
-                "batch_size": " (a multiple of micro_batch_size)",
+                "batch_size": f" (a multiple of distill.micro_batch_size={config.micro_batch_size})",
                 "dataset": f" (choose one of {', '.join(sorted(DATASETS))})",
             }.get(knob, "")
             raise PassError(f"distill.{knob}={getattr(config, knob)!r} is out of range{hint}")
@@ -171,7 +172,7 @@ class DistillPass(Pass):
         import torch
         from tqdm import tqdm
 
-        from pipeline.torch_model import load_causal_lm, load_tokenizer
+        from pipeline.torch_model import copy_beside_weights, load_causal_lm, load_tokenizer
 
         config = self.config
         validate(config)
@@ -234,13 +235,7 @@ class DistillPass(Pass):
         student.eval()
         after = holdout_quality(teacher, student, holdout)
 
-        for path in source.path.iterdir():  # tokenizer, templates, extras of earlier passes
-            if path.name == ARTIFACT_FILE or path.name.endswith(WEIGHT_SUFFIXES):
-                continue
-            if path.is_dir():
-                shutil.copytree(path, out_dir / path.name)
-            else:
-                shutil.copy2(path, out_dir / path.name)
+        copy_beside_weights(source.path, out_dir)
         student.save_pretrained(out_dir, safe_serialization=True)
         info = {"algorithm": "logit-kd", **asdict(config), "teacher": str(teacher_path)}
         info.pop("_target_")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,14 +38,13 @@ from typing import Any
 import numpy as np
 
 from calibration.datasets import CalibrationConfig, as_calibration, token_windows
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, write_metadata
+from pipeline.artifacts import Artifact, Kind, write_metadata
 from pipeline.base import Pass
 from pipeline.config import register_pass
 from pipeline.errors import PassError
 
 log = logging.getLogger(__name__)
 
-WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
 HOLDOUT_WINDOWS = 8  # held-out calibration windows for the before/after perplexity and KL
 
 
@@ -342,7 +340,7 @@ class PrunePass(Pass):
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from pipeline.torch_model import load_causal_lm, load_tokenizer
+        from pipeline.torch_model import copy_beside_weights, load_causal_lm, load_tokenizer
 
         config = self.config
         validate(config)
@@ -371,13 +369,7 @@ class PrunePass(Pass):
             )
         student = student.to(torch.float32).eval()
 
-        for path in source.path.iterdir():  # tokenizer, templates, extras of earlier passes
-            if path.name in (ARTIFACT_FILE, "config.json") or path.name.endswith(WEIGHT_SUFFIXES):
-                continue
-            if path.is_dir():
-                shutil.copytree(path, out_dir / path.name)
-            else:
-                shutil.copy2(path, out_dir / path.name)
+        copy_beside_weights(source.path, out_dir, skip=("config.json",))
         student.save_pretrained(out_dir, safe_serialization=True)
         quality = holdout_quality(model, student, holdout)
         params_before = sum(p.numel() for p in model.parameters())

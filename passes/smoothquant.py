@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ import numpy as np
 
 from calibration.datasets import CalibrationConfig, as_calibration, token_windows
 from passes.selection import check_patterns, matches
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, write_json, write_metadata
+from pipeline.artifacts import Artifact, Kind, write_json, write_metadata
 from pipeline.base import Pass
 from pipeline.errors import CalibrationError, PassError
 
@@ -59,8 +58,6 @@ INT8_DIR = "int8"
 ACTIVATIONS_FILE = "activations.json"
 FORMAT_VERSION = 1
 MIN_SCALE = 1e-5  # the reference implementation's clamp of weight maxima and smoothing scales
-# Files save_pretrained rewrites; the rest of the source folder (tokenizer, templates) is copied.
-WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
 
 
 @dataclass
@@ -322,7 +319,7 @@ class SmoothQuantPass(Pass):
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         import torch
 
-        from pipeline.torch_model import load_causal_lm, load_tokenizer
+        from pipeline.torch_model import copy_beside_weights, load_causal_lm, load_tokenizer
 
         config = self.config
         validate(config)
@@ -345,13 +342,7 @@ class SmoothQuantPass(Pass):
         ranges = activation_ranges(stats, divided)
         log.info("smoothquant: alpha=%.2f, %d groups smoothed", config.alpha, len(groups))
 
-        for path in source.path.iterdir():  # tokenizer, templates, extras of earlier passes
-            if path.name == ARTIFACT_FILE or path.name.endswith(WEIGHT_SUFFIXES):
-                continue
-            if path.is_dir():
-                shutil.copytree(path, out_dir / path.name)
-            else:
-                shutil.copy2(path, out_dir / path.name)
+        copy_beside_weights(source.path, out_dir)
         model.save_pretrained(out_dir)
         info = {
             "algorithm": "smoothquant",

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import ARTIFACT_FILE
 from pipeline.errors import SourceError, first_line
+
+# Files save_pretrained writes; copy_beside_weights leaves them to it.
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
 
 
 def load_causal_lm(folder: Path, attn_implementation: str | None = None) -> Any:
@@ -40,3 +45,16 @@ def load_tokenizer(folder: Path) -> Any:
         raise SourceError(
             f"cannot load the tokenizer in {folder} ({first_line(exc)}): save it beside the weights"
         ) from None
+
+
+def copy_beside_weights(source: Path, out_dir: Path, skip: tuple[str, ...] = ()) -> None:
+    """Copy what a checkpoint folder holds besides its weights (tokenizer, templates, extras of
+    earlier passes) into ``out_dir``, where a torch pass then writes the weights with
+    ``save_pretrained``; ``artifact.json`` and the names in ``skip`` are left out."""
+    for path in source.iterdir():
+        if path.name == ARTIFACT_FILE or path.name in skip or path.name.endswith(WEIGHT_SUFFIXES):
+            continue
+        if path.is_dir():
+            shutil.copytree(path, out_dir / path.name)
+        else:
+            shutil.copy2(path, out_dir / path.name)

@@ -124,7 +124,8 @@ def test_prune_then_distill_from_the_command_line(tiny_llama: Path, tmp_path: Pa
     from tests.pipeline.test_main import run_pipeline
 
     settings = ["prune=width25", "prune.calibration.num_samples=4", "prune.calibration.seq_len=32"]
-    kd = ["distill=kd", "distill.steps=3", "distill.seq_len=32", "distill.batch_size=2", "bench=none"]
+    kd = ["distill=kd", "distill.steps=3", "distill.seq_len=32", "distill.batch_size=2"]
+    kd += ["distill.micro_batch_size=1", "bench=none"]
     result = run_pipeline(tiny_llama, tmp_path, "run", *settings, *kd)
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
