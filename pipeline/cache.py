@@ -90,11 +90,9 @@ class Cache:
                 shutil.rmtree(stale, ignore_errors=True)
 
     def checkpoint_dir(self, key: str) -> Path:
-        """A folder for ``key``'s checkpoints that outlives an interrupted run (``.checkpoints/``);
-        :meth:`commit` removes it."""
-        path = self.root / ".checkpoints" / key
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+        """Where ``key``'s checkpoints go, outliving an interrupted run (``.checkpoints/``); the
+        pass creates it if it checkpoints at all, and :meth:`commit` removes it."""
+        return self.root / ".checkpoints" / key
 
     def lookup(self, key: str, kind: Kind) -> CacheEntry | None:
         """Return the verified entry for ``key``; a corrupted entry is evicted and ignored."""
