@@ -38,13 +38,12 @@ from filelock import FileLock, Timeout
 from pipeline.artifacts import sha256_file, write_json
 from pipeline.registry.records import (
     ENGINE_DIR,
-    MANIFEST_FILE,
     RECORD_SCHEMA,
     check_tensorrt,
     copy_hashed,
     now,
     prepare_publication,
-    pulled_manifest,
+    pulled_folder,
     safe_relative,
 )
 from pipeline.registry.refs import Ref, RegistryError, check_channel
@@ -263,12 +262,7 @@ class LocalRegistry:
         record = self.resolve(ref)
         name = f"{ref.at(None)}@{record['version']}"
         check_tensorrt(record, tensorrt_version, gpu_arch)
-        to = Path(to)
-        if to.exists() and (not to.is_dir() or any(to.iterdir())):
-            raise RegistryError(f"{to} exists and is not empty: pull into a new folder")
-        to.parent.mkdir(parents=True, exist_ok=True)
-        staging = to.parent / f".{to.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.pull"
-        try:
+        with pulled_folder(to, record) as staging:
             for entry in record["engine"]["files"]:
                 rel = safe_relative(entry["path"], name)
                 blob = self._blob(entry["sha256"])
@@ -282,13 +276,7 @@ class LocalRegistry:
                         f"{name}: blob {entry['sha256']} ({rel}) is corrupt (its content hashes to "
                         f"{actual}); nothing was pulled; run `python -m pipeline.registry verify`"
                     )
-            write_json(staging / MANIFEST_FILE, pulled_manifest(record))
-            if to.is_dir():
-                to.rmdir()
-            os.rename(staging, to)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return to
+        return Path(to)
 
     # -- channels -----------------------------------------------------------------------------
 

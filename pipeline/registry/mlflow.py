@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +30,7 @@ from pipeline.registry.records import (
     copy_hashed,
     now,
     prepare_publication,
-    pulled_manifest,
+    pulled_folder,
     safe_relative,
 )
 from pipeline.registry.refs import Ref, RegistryError, check_channel
@@ -248,24 +245,12 @@ class MlflowRegistry:
         version = self._version(ref)
         record = self._record(version)
         check_tensorrt(record, tensorrt_version, gpu_arch)
-        to = Path(to)
-        if to.exists() and (not to.is_dir() or any(to.iterdir())):
-            raise RegistryError(f"{to} exists and is not empty: pull into a new folder")
-        to.parent.mkdir(parents=True, exist_ok=True)
-        staging = to.parent / f".{to.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.pull"
-        try:
-            staging.mkdir()
+        with pulled_folder(to, record) as staging:
             self._call(
                 "download engine", self.client.download_artifacts, version.run_id, ENGINE_DIR, str(staging)
             )
             self._check_files(record, staging / ENGINE_DIR)
-            write_json(staging / MANIFEST_FILE, pulled_manifest(record))
-            if to.is_dir():
-                to.rmdir()
-            os.rename(staging, to)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return to
+        return Path(to)
 
     @staticmethod
     def _check_files(record: dict[str, Any], folder: Path) -> None:

@@ -7,11 +7,17 @@ import datetime as dt
 import getpass
 import hashlib
 import json
+import os
 import platform
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
+from pipeline.artifacts import write_json
 from pipeline.registry.refs import Ref, RegistryError, check_channel
 
 RECORD_SCHEMA = 1
@@ -129,6 +135,26 @@ def check_tensorrt(record: dict[str, Any], tensorrt_version: str | None, gpu_arc
                 f"{name} was built for {what} {trt[key]}, not {asked}: a TensorRT engine runs only "
                 "where it was built; pull one built for this machine or rebuild"
             )
+
+
+@contextmanager
+def pulled_folder(to: Path | str, record: dict[str, Any]) -> Iterator[Path]:
+    """A staging folder beside ``to`` for a backend to fill with ``engine/``; on success the
+    pulled ``manifest.json`` is added and it becomes ``to`` in one rename, else it is removed."""
+    to = Path(to)
+    if to.exists() and (not to.is_dir() or any(to.iterdir())):
+        raise RegistryError(f"{to} exists and is not empty: pull into a new folder")
+    to.parent.mkdir(parents=True, exist_ok=True)
+    staging = to.parent / f".{to.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.pull"
+    try:
+        staging.mkdir()
+        yield staging
+        write_json(staging / MANIFEST_FILE, pulled_manifest(record))
+        if to.is_dir():
+            to.rmdir()
+        os.rename(staging, to)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def pulled_manifest(record: dict[str, Any]) -> dict[str, Any]:
