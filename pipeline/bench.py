@@ -75,8 +75,9 @@ def _prompt(rng: np.random.Generator, vocab: int, batch: int, length: int) -> li
     return rng.integers(low, vocab, size=(batch, length)).tolist()
 
 
-def run_benchmark(engine_dir: Path, config: BenchConfig) -> dict[str, Any]:
-    """Measure one engine in this process; return the benchmark record."""
+def run_benchmark(engine_dir: Path, config: BenchConfig, reference_dir: Path | None = None) -> dict[str, Any]:
+    """Measure one engine in this process; return the benchmark record. With ``reference_dir``,
+    then also that engine and this one again, alternately (``vs_reference``)."""
     from pipeline.runtime import Engine, GenerationConfig
 
     engine = Engine(engine_dir)
@@ -97,7 +98,8 @@ def run_benchmark(engine_dir: Path, config: BenchConfig) -> dict[str, Any]:
         prompts = _prompt(rng, vocab, config.batch_size, length)
         samples = []
         for run in range(runs):
-            result = engine.generate_ids(prompts, GenerationConfig(max_new_tokens=1, stop_at_eos=False))
+            gen = GenerationConfig(max_new_tokens=1, stop_at_eos=False)
+            result = engine.generate_ids(prompts, gen, use_draft=False)
             if run >= config.warmup:
                 samples.append(result.prefill_seconds)
             bar.update()
@@ -107,11 +109,18 @@ def run_benchmark(engine_dir: Path, config: BenchConfig) -> dict[str, Any]:
     per_run_tpot = []
     for run in range(runs):
         gen = GenerationConfig(max_new_tokens=config.decode_tokens, stop_at_eos=False)
-        result = engine.generate_ids(prompts, gen)
+        result = engine.generate_ids(prompts, gen, use_draft=False)
         if run >= config.warmup:
             per_run_tpot.append(statistics.mean(result.step_seconds))
         bar.update()
     bar.close()
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before a reference loads
+    speculative = speculative_benchmark(engine, config) if engine.draft is not None else None
+    versus = None
+    if reference_dir is not None:
+        versus = versus_reference(
+            engine, Engine(reference_dir, speculative=False), config, lengths, decode_prompt
+        )
     return {
         "schema_version": BENCH_SCHEMA_VERSION,
         "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -119,7 +128,9 @@ def run_benchmark(engine_dir: Path, config: BenchConfig) -> dict[str, Any]:
         "ttft": ttft,
         "skipped_prompt_lengths": skipped,
         "tpot": {**summarize(per_run_tpot), "prompt_length": decode_prompt, "tokens": config.decode_tokens},
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "speculative": speculative,
+        "vs_reference": versus,
+        "peak_rss_mib": round(peak_rss, 1),
         "load_average": {
             "before": [round(x, 2) for x in load_before],
             "after": [round(x, 2) for x in os.getloadavg()],
@@ -129,7 +140,94 @@ def run_benchmark(engine_dir: Path, config: BenchConfig) -> dict[str, Any]:
     }
 
 
-def benchmark_in_subprocess(engine_dir: Path, config: BenchConfig, out_json: Path) -> dict[str, Any]:
+def versus_reference(
+    engine: Any, reference: Any, config: BenchConfig, lengths: list[int], decode_prompt: int
+) -> dict[str, Any]:
+    """TTFT at each length and TPOT of the engine and the reference engine, measured alternately
+    on the same prompts, and engine / reference (below 1: the engine is faster)."""
+    from pipeline.runtime import GenerationConfig
+
+    rng = np.random.default_rng(config.seed + 1)
+    vocab = engine.io.vocab_size
+    runs = config.warmup + config.repeats
+    pair = {"engine": engine, "reference": reference}
+    bar = tqdm(total=runs * (len(lengths) + 1) * 2, desc="vs reference", unit="run")
+
+    def alternate(prompts: list[list[int]], tokens: int) -> dict[str, list[float]]:
+        samples: dict[str, list[float]] = {name: [] for name in pair}
+        gen = GenerationConfig(max_new_tokens=tokens, stop_at_eos=False)
+        for run in range(runs):
+            for name, model in pair.items():
+                result = model.generate_ids(prompts, gen, use_draft=False)
+                if run >= config.warmup:
+                    seconds = result.prefill_seconds if tokens == 1 else statistics.mean(result.step_seconds)
+                    samples[name].append(seconds)
+                bar.update()
+        return samples
+
+    def compared(samples: dict[str, list[float]]) -> dict[str, Any]:
+        ratio = statistics.median(samples["engine"]) / statistics.median(samples["reference"])
+        return {
+            "engine_ms": round(statistics.median(samples["engine"]) * 1e3, 3),
+            "reference_ms": round(statistics.median(samples["reference"]) * 1e3, 3),
+            "ratio": round(ratio, 3),
+        }
+
+    ttft = {str(n): compared(alternate(_prompt(rng, vocab, config.batch_size, n), 1)) for n in lengths}
+    tpot = compared(alternate(_prompt(rng, vocab, config.batch_size, decode_prompt), config.decode_tokens))
+    bar.close()
+    return {"ttft": ttft, "tpot": tpot}
+
+
+def speculative_benchmark(engine: Any, config: BenchConfig) -> dict[str, Any]:
+    """TPOT of greedy decoding with the draft and with the target alone, measured alternately on
+    the same held-out text prompts, with the draft's acceptance rate (``decode_tokens`` each)."""
+    from evals.agreement import held_out_windows
+    from pipeline.config import QualityConfig
+    from pipeline.runtime import GenerationConfig
+
+    room = engine.max_length - config.decode_tokens - engine.speculative_k
+    length = min(config.speculative_prompt_length, room)
+    text = QualityConfig(window=length, max_tokens=length * config.speculative_prompts)
+    windows = held_out_windows(engine, text)[: config.speculative_prompts]
+    gen = GenerationConfig(max_new_tokens=config.decode_tokens, stop_at_eos=False)
+    alone: list[float] = []
+    drafted: list[float] = []
+    totals = {"proposed": 0, "accepted": 0, "rounds": 0}
+    identical = True
+    bar = tqdm(total=len(windows) * (config.warmup + config.repeats), desc="speculative", unit="run")
+    for window in windows:
+        prompt = [window.tolist()]
+        for run in range(config.warmup + config.repeats):
+            plain = engine.generate_ids(prompt, gen, use_draft=False)
+            fast = engine.generate_ids(prompt, gen)
+            identical &= plain.tokens == fast.tokens
+            if run >= config.warmup:
+                alone.append(statistics.mean(plain.step_seconds))
+                drafted.append(statistics.mean(fast.step_seconds))
+            bar.update()
+        stats = engine.last_draft_stats  # greedy: the same every run of a prompt
+        for name in totals:
+            totals[name] += getattr(stats, name)
+    bar.close()
+    ratio = statistics.median(drafted) / statistics.median(alone)
+    return {
+        "k": engine.speculative_k,
+        "prompts": len(windows),
+        "prompt_length": length,
+        "tokens": config.decode_tokens,
+        "tpot_target": summarize(alone),
+        "tpot_speculative": summarize(drafted),
+        "tpot_ratio": round(ratio, 3),
+        "acceptance_rate": round(totals["accepted"] / max(totals["proposed"], 1), 4),
+        "tokens_per_round": round((totals["accepted"] + totals["rounds"]) / max(totals["rounds"], 1), 3),
+        "identical_to_target": identical,
+    }
+
+
+def benchmark_in_subprocess(
+    engine_dir: Path, config: BenchConfig, out_json: Path, reference_dir: Path | None = None
+) -> dict[str, Any]:
     """Run :func:`run_benchmark` in a fresh interpreter; raise EngineError if it fails."""
     command = [
         sys.executable,
@@ -140,6 +238,7 @@ def benchmark_in_subprocess(engine_dir: Path, config: BenchConfig, out_json: Pat
         str(out_json),
         "--config",
         json.dumps(asdict(config)),
+        *(["--reference", str(reference_dir)] if reference_dir is not None else []),
     ]
     start = time.perf_counter()
     try:
@@ -156,11 +255,12 @@ def benchmark_in_subprocess(engine_dir: Path, config: BenchConfig, out_json: Pat
     return record
 
 
-def bench_key(engine_digest: str, config: BenchConfig) -> str:
-    """Same engine, benchmark settings, host and libraries: the same measurement."""
+def bench_key(engine_digest: str, config: BenchConfig, reference_digest: str | None = None) -> str:
+    """Same engine (and reference), benchmark settings, host and libraries: the same measurement."""
     settings = {k: v for k, v in asdict(config).items() if k not in ("reuse", "timeout_s")}
     payload = {
         "engine": engine_digest,
+        **({"reference": reference_digest} if reference_digest else {}),
         "config": settings,
         "host": host_info(),
         "libs": library_versions(),
@@ -169,12 +269,18 @@ def bench_key(engine_digest: str, config: BenchConfig) -> str:
 
 
 def measure(
-    engine_dir: Path, engine_digest: str, config: BenchConfig, cache_dir: Path | None
+    engine_dir: Path,
+    engine_digest: str,
+    config: BenchConfig,
+    cache_dir: Path | None,
+    reference: tuple[Path, str] | None = None,
 ) -> dict[str, Any]:
-    """Benchmark an engine. With ``cache_dir`` and ``config.reuse``, an earlier measurement of the
-    identical engine with the same settings on this host is reused (the record then says
-    ``cache_hit: true`` and when it was measured); a new measurement is stored there."""
-    cached = cache_dir / "bench" / f"{bench_key(engine_digest, config)}.json" if cache_dir else None
+    """Benchmark an engine, and against ``reference`` (folder, digest) when given. With
+    ``cache_dir`` and ``config.reuse``, an earlier measurement of the identical engine with the
+    same settings on this host is reused (the record then says ``cache_hit: true`` and when it
+    was measured); a new measurement is stored there."""
+    key = bench_key(engine_digest, config, reference[1] if reference else None)
+    cached = cache_dir / "bench" / f"{key}.json" if cache_dir else None
     if cached is not None and cached.is_file() and config.reuse:
         return {**json.loads(cached.read_text()), "cache_hit": True}
     log.info("benchmark: running (%s)", ", ".join(f"TTFT@{n}" for n in config.prompt_lengths) + ", TPOT")
@@ -182,7 +288,8 @@ def measure(
     os.close(handle)
     scratch = Path(name)
     try:
-        record = {**benchmark_in_subprocess(engine_dir, config, scratch), "cache_hit": False}
+        reference_dir = reference[0] if reference else None
+        record = {**benchmark_in_subprocess(engine_dir, config, scratch, reference_dir), "cache_hit": False}
     finally:
         scratch.unlink(missing_ok=True)
     if cached is not None:
@@ -196,9 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("engine", type=Path, help="engine folder (engine.json inside)")
     parser.add_argument("--json", type=Path, help="write the record here (default: print it)")
     parser.add_argument("--config", default="{}", help="BenchConfig fields as JSON")
+    parser.add_argument("--reference", type=Path, help="also measure against this engine, alternately")
     args = parser.parse_args(argv)
     try:
-        record = run_benchmark(args.engine, BenchConfig(**json.loads(args.config)))
+        record = run_benchmark(args.engine, BenchConfig(**json.loads(args.config)), args.reference)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

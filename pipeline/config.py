@@ -66,6 +66,14 @@ class BenchConfig:
     batch_size: int = 1
     seed: int = 0
     timeout_s: int = 1800
+    # Engines with a draft (speculative=draft): TPOT with and without it, decoding decode_tokens
+    # after each of this many windows of the held-out text (evals/data) of this many tokens.
+    speculative_prompts: int = 3
+    speculative_prompt_length: int = 512
+    # Also measure the reference engine (the recipe without optimization passes: for a pruned
+    # model, its teacher's engine) alternately with this one and record the ratios; null: when
+    # the recipe prunes.
+    vs_reference: bool | None = None
 
 
 @dataclass
@@ -142,6 +150,27 @@ class RegistryConfig:
 
 
 @dataclass
+class DraftRecipe:
+    """The draft's own passes (pass configs with ``_target_``, as in the prune, distill and quant
+    groups); the recipe's other groups (export, kv_cache, fusion, target) apply as given, and its
+    quant too where ``quant`` is null."""
+
+    prune: Any = None
+    distill: Any = None
+    quant: Any = None
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (``configs/speculative/``; ``pipeline/speculative.py``): a draft engine
+    built from the same source beside the target, proposing ``k`` tokens per target forward."""
+
+    enabled: bool = False
+    k: int = 4
+    draft: DraftRecipe = field(default_factory=DraftRecipe)
+
+
+@dataclass
 class PipelineConfig:
     model: ModelConfig = MISSING
     pipeline: PipelineSettings = field(default_factory=PipelineSettings)
@@ -154,6 +183,7 @@ class PipelineConfig:
     kv_cache: Any = None
     fusion: Any = None
     target: Any = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     registry: Any = None
     bench: BenchConfig = MISSING
@@ -176,3 +206,4 @@ def register_pipeline_schemas() -> None:
     store.store(group="bench", name="bench_schema", node=BenchConfig)
     store.store(group="eval", name="eval_schema", node=EvalConfig)
     store.store(group="registry", name="registry_schema", node=RegistryConfig)
+    store.store(group="speculative", name="speculative_schema", node=SpeculativeConfig)

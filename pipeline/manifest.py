@@ -52,6 +52,7 @@ def build_manifest(
     benchmark: dict[str, Any] | None,
     quality: dict[str, Any] | None,
     gate: dict[str, Any] | None = None,
+    speculative: dict[str, Any] | None = None,
     started: dt.datetime,
 ) -> dict[str, Any]:
     finished = dt.datetime.now(dt.UTC)
@@ -74,6 +75,7 @@ def build_manifest(
         "benchmark": benchmark,
         "quality": quality,
         "gate": gate or {"verdict": "not-run", "reason": "no eval gate configured (eval=none)"},
+        "speculative": speculative,
     }
 
 

@@ -12,7 +12,7 @@ from pipeline.registry import RegistryError, open_registry
 from pipeline.registry.refs import check_channel, check_name
 
 # Optimization groups named in a recipe's registry name after its quant option, when not none.
-NAMED_GROUPS = ("prune", "distill", "kv_cache", "fusion")
+NAMED_GROUPS = ("prune", "distill", "kv_cache", "fusion", "speculative")
 
 
 def check_registry(config: RegistryConfig) -> None:

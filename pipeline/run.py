@@ -1,5 +1,6 @@
-"""One pipeline run: validate the recipe, resolve the source, run the passes through the cache,
-place the engine, benchmark it, write the run record.
+"""One pipeline run: validate the recipe, resolve the source, run the passes through the cache
+(and the draft's, with ``speculative=draft``), place the engine, benchmark it, write the run
+record.
 
 Everything the run writes into its output folder appears by atomic rename, and only after the
 passes and the benchmark have finished (the engine folder, then ``manifest.json``), so Ctrl-C or
@@ -31,6 +32,7 @@ from pipeline.manager import PassManager, validate
 from pipeline.manifest import build_manifest, write_manifest
 from pipeline.plugins import build_passes
 from pipeline.sources import resolve_source
+from pipeline.speculative import attach_draft, build_draft, draft_passes, draft_summary, speculative_config
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,10 @@ def run_pipeline(
     run_dir.mkdir(parents=True, exist_ok=True)
     passes = build_passes(cfg)
     validate(passes, Kind.TORCH)  # before any download or conversion
+    spec_cfg = speculative_config(cfg)
+    if spec_cfg.enabled:
+        validate(draft_passes(cfg), Kind.TORCH)
+    speculative = None
 
     model_cfg = OmegaConf.to_object(cfg.model)
     assert isinstance(model_cfg, ModelConfig)
@@ -115,6 +121,10 @@ def run_pipeline(
     gate = None
     try:
         engine, records = PassManager(passes, cache).run(source)
+        if spec_cfg.enabled:
+            draft, draft_records = build_draft(cfg, source, engine, cache)
+            engine, attach_hit = attach_draft(cache, engine, draft, spec_cfg.k)
+            speculative = draft_summary(draft, draft_records, spec_cfg.k, attach_hit)
         if quality_fn is not None and quality_cfg.enabled:
             quality = _quality(cfg, source, cache, engine, quality_cfg, quality_fn)
         if gate_fn is not None and eval_cfg.enabled:
@@ -124,7 +134,11 @@ def run_pipeline(
             gate = gate_fn(engine, reference, eval_cfg, kl, cache.root if cache.enabled else None)
         if bench_cfg.enabled:  # measured where the engine lies, before anything lands in run_dir
             bench_cache = Path(cfg.pipeline.cache_dir) if cfg.pipeline.cache else None
-            benchmark = measure(engine.path, engine.digest, bench_cfg, bench_cache)
+            peer = None
+            if bench_cfg.vs_reference or (bench_cfg.vs_reference is None and cfg.prune):
+                reference = _reference(cfg, source, cache)
+                peer = (reference.path, reference.digest)
+            benchmark = measure(engine.path, engine.digest, bench_cfg, bench_cache, peer)
         engine_dir = place_engine(engine, run_dir)
     finally:
         if scratch is not None:
@@ -140,6 +154,7 @@ def run_pipeline(
         benchmark=benchmark,
         quality=quality,
         gate=gate,
+        speculative=speculative,
         started=started,
     )
     return RunResult(run_dir, engine_dir, write_manifest(run_dir, manifest), manifest)

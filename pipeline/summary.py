@@ -67,7 +67,31 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
             f"TPOT ({tpot['tokens']} tokens after {tpot['prompt_length']})",
             *(f"{tpot[k]:.2f}" for k in ("median_ms", "min_ms", "max_ms")),
         )
+        if spec := bench.get("speculative"):
+            table.add_row(
+                f"TPOT speculative, k={spec['k']} ({spec['tokens']} tokens after {spec['prompts']} x "
+                f"{spec['prompt_length']} of text)",
+                *(f"{spec['tpot_speculative'][k]:.2f}" for k in ("median_ms", "min_ms", "max_ms")),
+            )
+            table.add_row(
+                "TPOT target alone (same prompts)",
+                *(f"{spec['tpot_target'][k]:.2f}" for k in ("median_ms", "min_ms", "max_ms")),
+            )
         console.print(table)
+        if versus := bench.get("vs_reference"):
+            ttft = ", ".join(f"@{n} {row['ratio']:.2f}x" for n, row in versus["ttft"].items())
+            console.print(
+                f"vs the reference engine (no optimization passes), measured alternately: TPOT "
+                f"{versus['tpot']['engine_ms']:.2f} vs {versus['tpot']['reference_ms']:.2f} ms = "
+                f"{versus['tpot']['ratio']:.2f}x; TTFT {ttft}"
+            )
+        if spec:
+            same = "identical to" if spec["identical_to_target"] else "DIFFERENT from"
+            console.print(
+                f"speculative: {spec['tpot_ratio']:.2f}x the target's TPOT, {spec['acceptance_rate']:.0%} of "
+                f"draft tokens accepted, {spec['tokens_per_round']:.2f} tokens per target forward; "
+                f"output {same} the target's greedy output"
+            )
         load = bench["load_average"]
         console.print(
             f"peak RSS {bench['peak_rss_mib']:.0f} MiB · load average {load['before'][0]:.2f} → "

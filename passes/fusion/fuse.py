@@ -443,17 +443,27 @@ def drop_unused_input(graph: Any, name: str) -> bool:
     return False
 
 
+def _parity_model(folder: Path, optimization: str) -> Any:
+    """A graph in a session, stepped as the runtime will: a fused graph whose GroupQueryAttention
+    keeps a window-sized buffer (kv_cache layout=shared with a window) needs that buffer bound."""
+    import dataclasses
+
+    from pipeline.runtime.ort import OrtModel, graph_io
+
+    io = graph_io(folder)
+    metadata = read_metadata(folder)
+    capacity = int(metadata.get("kv_cache", {}).get("capacity", 0))
+    if capacity and metadata.get("fusion"):
+        io = dataclasses.replace(io, kv_layout="shared", kv_capacity=capacity)
+    return OrtModel(folder / MODEL_FILE, io, optimization=optimization, capacity=capacity)
+
+
 def compare_decoding(
     reference_dir: Path, candidate_dir: Path, steps: int = PARITY_DECODE_STEPS, optimization: str = "all"
 ) -> dict[str, Any]:
     """Logits of two graphs on a fixed prompt and ``steps`` decode steps of the reference's
     greedy tokens (fed to both, so the caches stay comparable)."""
-    from pipeline.runtime.ort import OrtModel, graph_io
-
-    models = [
-        OrtModel(folder / MODEL_FILE, graph_io(folder), optimization=optimization)
-        for folder in (reference_dir, candidate_dir)
-    ]
+    models = [_parity_model(folder, optimization) for folder in (reference_dir, candidate_dir)]
     vocab = models[0].io.vocab_size
     ids = np.array([[i % vocab for i in PARITY_PROMPT_IDS]], dtype=np.int64)
     caches = [model.empty_cache(1) for model in models]

@@ -7,6 +7,7 @@ per-step copy through numpy happens; logits are written straight into a numpy bu
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import onnxruntime as ort
 from pipeline.artifacts import read_metadata
 from pipeline.errors import EngineError, first_line
 from pipeline.runtime.generate import GenerationConfig, GenerationResult, generate
+from pipeline.runtime.speculative import DraftStats, speculative_generate
 
 ENGINE_FILE = "engine.json"
 SUPPORTED_TARGETS = ("ort-cpu",)
@@ -144,6 +146,20 @@ class OrtModel:
         present = binding.get_outputs()[1:]
         return logits, list(present)
 
+    def truncate_cache(self, cache: list[ort.OrtValue], length: int) -> list[ort.OrtValue]:
+        """The cache of the first ``length`` positions (speculative decoding's rollback).
+
+        A shared buffer needs no copy: GroupQueryAttention reads and writes it at the positions
+        the attention mask gives, so rows past ``length`` are simply overwritten later. A buffer
+        that evicts (a sliding window) cannot roll back and is refused.
+        """
+        if self.capacity:
+            if self._evicts:
+                raise EngineError("a sliding-window KV buffer cannot be rolled back for speculative decoding")
+            return cache
+        kept = [np.ascontiguousarray(value.numpy()[:, :, :length]) for value in cache]
+        return [ort.OrtValue.ortvalue_from_numpy(array) for array in kept]
+
 
 @dataclass
 class GeneratedText:
@@ -152,9 +168,15 @@ class GeneratedText:
 
 
 class Engine:
-    """A built engine folder: the model, its tokenizer and how it was built (``engine.json``)."""
+    """A built engine folder: the model, its tokenizer and how it was built (``engine.json``).
 
-    def __init__(self, folder: Path, threads: int = 0) -> None:
+    An engine built with ``speculative=draft`` holds a draft engine in a subfolder
+    (``engine.json`` ``speculative: {draft, k}``); greedy single-sequence decoding then runs
+    speculatively (:mod:`pipeline.runtime.speculative`), unless ``speculative=False``. Sampled
+    decoding and batches of several prompts always run the target alone.
+    """
+
+    def __init__(self, folder: Path, threads: int = 0, speculative: bool = True) -> None:
         self.folder = Path(folder)
         spec_path = self.folder / ENGINE_FILE
         if not spec_path.is_file():
@@ -188,6 +210,23 @@ class Engine:
         self.pad_token_id: int = int(
             tokens.get("pad_token_id", self.eos_token_ids[0] if self.eos_token_ids else 0)
         )
+        self.draft: Engine | None = None
+        self.speculative_k = 0
+        self.last_draft_stats: DraftStats | None = None  # of the latest speculative generate_ids
+        plan = self.spec.get("speculative")
+        if plan and speculative:
+            self.draft, self.speculative_k = self._load_draft(plan, threads, spec_path)
+
+    def _load_draft(self, plan: Any, threads: int, spec_path: Path) -> tuple[Engine, int]:
+        try:
+            folder, k = self.folder / str(plan["draft"]), int(plan["k"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"{spec_path}: malformed 'speculative' entry ({first_line(exc)})") from None
+        if k < 1:
+            raise EngineError(f"{spec_path}: speculative k={k} must be at least 1")
+        draft = Engine(folder, threads=threads, speculative=False)
+        check_draft(self, draft)
+        return draft, k
 
     @property
     def tokenizer(self) -> Any:
@@ -202,7 +241,10 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         config: GenerationConfig | None = None,
         on_tokens: Callable[[np.ndarray], None] | None = None,
+        use_draft: bool = True,
     ) -> GenerationResult:
+        """Token ids of each prompt's continuation; with a draft (and ``use_draft``), greedy
+        single-prompt decoding is speculative and ``last_draft_stats`` tells how it went."""
         config = config or GenerationConfig()
         longest = max((len(p) for p in prompts), default=0)
         if longest + config.max_new_tokens > self.max_length:
@@ -210,6 +252,8 @@ class Engine:
                 f"a {longest}-token prompt plus {config.max_new_tokens} new tokens exceeds this engine's "
                 f"max_length {self.max_length}: shorten the prompt or lower max_new_tokens"
             )
+        if use_draft and self.draft is not None and not config.do_sample and len(prompts) == 1:
+            return self._generate_speculatively(prompts[0], config, on_tokens)
         if self.io.left_padding or len({len(p) for p in prompts}) <= 1:
             return generate(
                 self.model,
@@ -220,6 +264,40 @@ class Engine:
                 on_tokens=on_tokens,
             )
         return self._generate_one_by_one(prompts, config, on_tokens)
+
+    def _generate_speculatively(
+        self,
+        prompt: Sequence[int],
+        config: GenerationConfig,
+        on_tokens: Callable[[np.ndarray], None] | None,
+    ) -> GenerationResult:
+        """Greedy decoding with the draft proposing; token for token the target's own output."""
+        assert self.draft is not None
+        k = self.speculative_k
+        for engine in (self, self.draft):  # the verify step writes k + 1 positions past the end
+            if len(prompt) + config.max_new_tokens + k > engine.max_length:
+                raise EngineError(
+                    f"a {len(prompt)}-token prompt plus {config.max_new_tokens} new tokens and {k} "
+                    f"draft tokens exceeds max_length {engine.max_length} of {engine.folder}: shorten "
+                    "the prompt or lower max_new_tokens"
+                )
+
+        def on_token(token: int) -> None:
+            if on_tokens is not None:
+                on_tokens(np.array([token], dtype=np.int64))
+
+        result, stats = speculative_generate(
+            self.model,
+            self.draft.model,
+            prompt,
+            k=k,
+            max_new_tokens=config.max_new_tokens,
+            eos_ids=self.eos_token_ids,
+            stop_at_eos=config.stop_at_eos,
+            on_token=on_token,
+        )
+        self.last_draft_stats = stats
+        return result
 
     def _generate_one_by_one(
         self,
@@ -295,6 +373,31 @@ class Engine:
 
 
 KV_LAYOUTS = ("concat", "shared")
+
+
+def check_draft(target: Engine, draft: Engine) -> None:
+    """Refuse a draft that cannot propose the target's tokens: another vocabulary or tokenizer,
+    or a KV buffer that cannot roll back."""
+    if draft.io.vocab_size != target.io.vocab_size:
+        raise EngineError(
+            f"draft {draft.folder} has a vocabulary of {draft.io.vocab_size} tokens, the target "
+            f"{target.io.vocab_size}: a draft must share the target's tokenizer"
+        )
+    if draft.spec.get("tokens") != target.spec.get("tokens") or _tokenizer_digest(draft.folder) != (
+        _tokenizer_digest(target.folder)
+    ):
+        raise EngineError(f"draft {draft.folder} has another tokenizer than the target: rebuild the draft")
+    for engine in (target, draft):
+        if engine.io.kv_capacity:
+            raise EngineError(
+                f"{engine.folder} keeps a sliding-window KV buffer, which cannot roll back rejected "
+                "draft tokens: build without kv_cache.window or without speculative=draft"
+            )
+
+
+def _tokenizer_digest(folder: Path) -> str:
+    path = folder / "tokenizer.json"
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "absent"
 
 
 def graph_ops(model_file: Path) -> set[str]:

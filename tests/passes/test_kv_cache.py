@@ -270,6 +270,19 @@ def test_a_windowed_shared_buffer_keeps_only_the_window(tiny_graph: Artifact, tm
     assert caches[1][0].shape()[2] == 39
 
 
+def test_the_fusion_check_runs_a_windowed_shared_buffer_as_the_runtime_does(
+    tiny_graph: Artifact, tmp_path: Path
+) -> None:
+    """The fusion pass's parity check binds the window-sized buffer GroupQueryAttention expects
+    (an empty concat-style cache fails in the kernel: capacity 0 < local_window_size)."""
+    window = 64  # longer than the parity prompt and its decode steps: the unfused graph agrees
+    source = layout(tiny_graph, tmp_path, fuse=False, layout="shared", window=window)
+    (tmp_path / "fused").mkdir()
+    FusionPass().run(source, tmp_path / "fused")
+    parity = FusionPass().ensures(source, Artifact.from_dir(Kind.GRAPH, tmp_path / "fused"))
+    assert parity["parity_vs_input_graph"]["top1_agreement"] == 1.0
+
+
 def test_an_engine_with_a_window_buffer_but_no_window_is_refused(
     tiny_engine: Artifact, tmp_path: Path
 ) -> None:

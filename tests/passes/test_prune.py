@@ -120,19 +120,21 @@ def test_a_single_head_group_cannot_lose_a_head(tmp_path: Path) -> None:
 
 
 def test_prune_from_the_command_line(tiny_llama: Path, tmp_path: Path) -> None:
-    from tests.pipeline.test_main import run_pipeline
+    from tests.pipeline.test_main import QUICK_BENCH, run_pipeline
 
-    settings = [
-        "prune=width25",
-        "prune.calibration.num_samples=4",
-        "prune.calibration.seq_len=32",
-        "bench=none",
-    ]
-    result = run_pipeline(tiny_llama, tmp_path, "run", *settings)
+    settings = ["prune=width25", "prune.calibration.num_samples=4", "prune.calibration.seq_len=32"]
+    result = run_pipeline(tiny_llama, tmp_path, "run", *settings, *QUICK_BENCH)
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert [p["name"] for p in manifest["passes"]] == ["prune", "export", "build"]
     assert manifest["passes"][0]["metrics"]["shape"]["after"]["intermediate"] == 96
+    # A pruned engine is timed against its teacher's engine, alternately, in the run record.
+    versus = manifest["benchmark"]["vs_reference"]
+    assert set(versus["ttft"]) == {"16", "32"}
+    for row in [*versus["ttft"].values(), versus["tpot"]]:
+        assert row["engine_ms"] > 0 and row["reference_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["engine_ms"] / row["reference_ms"], rel=0.01)
+    assert "vs the reference engine" in " ".join(result.stdout.split())
     bad = run_pipeline(tiny_llama, tmp_path, "bad", "prune=width25", "prune.mlp_ratio=1.5", "bench=none")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: prune.mlp_ratio=1.5: a ratio must be in [0, 1) (0 keeps the dimension whole)"
