@@ -33,7 +33,6 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -51,12 +50,12 @@ from quantization import (
     build_recipe,
     measure_speed,
     quality_config,
+    run_and_report,
     score,
 )
 
 from pipeline.bench import host_info, speculative_benchmark, summarize
 from pipeline.config import BenchConfig
-from pipeline.errors import PipelineError
 from pipeline.runtime import Engine
 
 DEFAULT_OUT = Path("artifacts/benchmarks/compression")
@@ -269,20 +268,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        record = run(args)
-    except (UsageError, PipelineError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: finished builds stay in the pipeline cache; rerun to resume", file=sys.stderr)
-        return 130
-    print_report(record)
-    if args.json:
-        args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    return run_and_report(parse_args(argv), run, print_report)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -698,21 +699,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_and_report(
+    args: argparse.Namespace,
+    run_fn: Callable[[argparse.Namespace], dict[str, Any]],
+    report_fn: Callable[[dict[str, Any]], None],
+) -> int:
+    """Run a benchmark, print its report, write ``--json``; one line and exit 2 for user mistakes
+    (shared by the benchmark scripts that build with the CLI)."""
     try:
-        record = run(args)
+        record = run_fn(args)
     except (UsageError, PipelineError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: finished builds stay in the pipeline cache; rerun to resume", file=sys.stderr)
         return 130
-    print_report(record)
+    report_fn(record)
     if args.json:
         args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_and_report(parse_args(argv), run, print_report)
 
 
 if __name__ == "__main__":

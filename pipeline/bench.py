@@ -4,7 +4,13 @@ Runs in its own process (``python -m pipeline.bench ENGINE``) so that peak RSS i
 not the pipeline's (which held a torch model). Prompts are seeded random token ids, so every
 engine of a model sees the same input. Each figure is the median over ``repeats`` runs after
 ``warmup`` runs; the machine's load average is recorded before and after, since this machine
-is shared and noisy.
+is shared and noisy. TTFT and TPOT are the target's alone, also for an engine with a draft.
+
+Two optional sections follow, each measured alternately so that load drift hits both sides:
+``speculative`` (an engine with a draft: greedy decoding after held-out text windows with and
+without the draft, acceptance rate, identical output) and ``vs_reference`` (``--reference``:
+TTFT and TPOT of this engine and of the reference engine, e.g. a pruned student and its teacher,
+and their ratio). Peak RSS is read before the reference engine loads.
 """
 
 from __future__ import annotations
