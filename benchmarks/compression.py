@@ -226,7 +226,9 @@ def print_report(record: dict[str, Any]) -> None:
             f"({draft['manifest']['draft_layers']} layers), {spec['prompts']} x "
             f"{spec['prompt_length']}-token prompts of held-out text, {spec['tokens']} tokens each: TPOT "
             f"{spec['tpot_speculative']['median_ms']:.2f} ms vs {spec['tpot_target']['median_ms']:.2f} ms "
-            f"alone = {spec['tpot_ratio']:.2f}x; acceptance {spec['acceptance_rate']:.1%}, "
+            f"alone = {spec['tpot_ratio']:.2f}x (TTFT {spec['ttft_speculative']['median_ms']:.0f} vs "
+            f"{spec['ttft_target']['median_ms']:.0f} ms: the draft reads the prompt too); acceptance "
+            f"{spec['acceptance_rate']:.1%}, "
             f"{spec['tokens_per_round']:.2f} tokens per target forward; output identical to the target's: "
             f"{spec['identical_to_target']}"
         )

@@ -199,6 +199,7 @@ def speculative_benchmark(engine: Any, config: BenchConfig) -> dict[str, Any]:
     gen = GenerationConfig(max_new_tokens=config.decode_tokens, stop_at_eos=False)
     alone: list[float] = []
     drafted: list[float] = []
+    prefill: dict[str, list[float]] = {"target": [], "speculative": []}
     totals = {"proposed": 0, "accepted": 0, "rounds": 0}
     identical = True
     bar = tqdm(total=len(windows) * (config.warmup + config.repeats), desc="speculative", unit="run")
@@ -211,6 +212,8 @@ def speculative_benchmark(engine: Any, config: BenchConfig) -> dict[str, Any]:
             if run >= config.warmup:
                 alone.append(statistics.mean(plain.step_seconds))
                 drafted.append(statistics.mean(fast.step_seconds))
+                prefill["target"].append(plain.prefill_seconds)
+                prefill["speculative"].append(fast.prefill_seconds)  # + the draft's prefill
             bar.update()
         stats = engine.last_draft_stats  # greedy: the same every run of a prompt
         for name in totals:
@@ -225,6 +228,8 @@ def speculative_benchmark(engine: Any, config: BenchConfig) -> dict[str, Any]:
         "tpot_target": summarize(alone),
         "tpot_speculative": summarize(drafted),
         "tpot_ratio": round(ratio, 3),
+        "ttft_target": summarize(prefill["target"]),
+        "ttft_speculative": summarize(prefill["speculative"]),
         "acceptance_rate": round(totals["accepted"] / max(totals["proposed"], 1), 4),
         "tokens_per_round": round((totals["accepted"] + totals["rounds"]) / max(totals["rounds"], 1), 3),
         "identical_to_target": identical,

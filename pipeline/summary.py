@@ -88,7 +88,9 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
         if spec:
             same = "identical to" if spec["identical_to_target"] else "DIFFERENT from"
             console.print(
-                f"speculative: {spec['tpot_ratio']:.2f}x the target's TPOT, {spec['acceptance_rate']:.0%} of "
+                f"speculative: {spec['tpot_ratio']:.2f}x the target's TPOT (TTFT "
+                f"{spec['ttft_speculative']['median_ms']:.0f} vs {spec['ttft_target']['median_ms']:.0f} ms "
+                f"with the draft's prefill), {spec['acceptance_rate']:.0%} of "
                 f"draft tokens accepted, {spec['tokens_per_round']:.2f} tokens per target forward; "
                 f"output {same} the target's greedy output"
             )

@@ -10,10 +10,10 @@ target's greedy choice given the tokens before it: the output is token for token
 greedy decode. Both KV caches are then cut back to the accepted tokens
 (:meth:`StepModel.truncate_cache`).
 
-Timings follow :mod:`pipeline.runtime.generate`: ``prefill_seconds`` is the target's prefill
-(the first token), and each round's wall time (the draft's prefill is in the first round) is
-spread evenly over the tokens the round emitted, so the mean of ``step_seconds`` is the
-effective time per output token.
+Timings follow :mod:`pipeline.runtime.generate`: ``prefill_seconds`` is the prefill of both
+models (the target's gives the first token; the draft reads the prompt right after, so TTFT
+grows by the draft's prefill), and each round's wall time is spread evenly over the tokens the
+round emitted, so the mean of ``step_seconds`` is the effective time per output token.
 """
 
 from __future__ import annotations
@@ -124,8 +124,10 @@ def speculative_generate(
 
     start = time.perf_counter()
     first = int(verifier.feed(sequence)[-1].argmax())
-    prefill_seconds = time.perf_counter() - start
     done = emit([first]) or max_new_tokens <= 1
+    if not done:  # the draft reads the prompt too: part of the prefill, not of any decode step
+        proposer.feed(sequence[:-1])
+    prefill_seconds = time.perf_counter() - start
     # The target's cache holds every token but the last emitted one, which the next round feeds.
     while not done:
         start = time.perf_counter()
