@@ -82,16 +82,15 @@ def overrides_for(label: str, base: tuple[str, ...], args: argparse.Namespace) -
 
 
 def parameters(row: Contestant) -> dict[str, int | None]:
-    """(teacher's, this engine's) parameter counts from the prune records of its run."""
+    """The teacher's, this engine's and its draft's parameter counts, from the prune records."""
     manifest = row.manifest or {}
-    records = [*manifest.get("passes", []), *((manifest.get("speculative") or {}).get("draft_passes", []))]
-    pruned = [r["metrics"]["parameters"] for r in records if r["name"] == "prune"]
-    own = [r["metrics"]["parameters"] for r in manifest.get("passes", []) if r["name"] == "prune"]
-    return {
-        "teacher": pruned[0]["before"] if pruned else None,
-        "this": own[0]["after"] if own else None,
-        "draft": pruned[0]["after"] if pruned and not own and manifest.get("speculative") else None,
-    }
+
+    def pruned(records: list[dict[str, Any]]) -> dict[str, int]:
+        return next((r["metrics"]["parameters"] for r in records if r["name"] == "prune"), {})
+
+    own = pruned(manifest.get("passes", []))
+    draft = pruned((manifest.get("speculative") or {}).get("draft_passes", []))
+    return {"teacher": (own or draft).get("before"), "this": own.get("after"), "draft": draft.get("after")}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -24,8 +24,6 @@ from __future__ import annotations
 import enum
 import logging
 import math
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +34,7 @@ import numpy as np
 from calibration.datasets import CalibrationConfig, as_calibration
 from calibration.sensitivity import FallbackResult, LayerQuantizer, SensitivityProbe
 from passes.selection import FALLBACK_FILE, select_modules
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, write_json, write_metadata
+from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, link_tree, write_json, write_metadata
 from pipeline.base import Pass
 from pipeline.errors import CalibrationError, ConfigError
 
@@ -167,21 +165,6 @@ def layer_quantizer(config: SensitivityPassConfig, weight_only: bool, input_absm
     return LayerQuantizer(weight, lambda x: _numpy_fake_quant(fmt, x, np.float32(input_absmax)))
 
 
-def _link_tree(source: Path, target: Path, skip: tuple[str, ...]) -> None:
-    """Hard-link (copy across filesystems) every file of ``source`` into ``target``."""
-    for item in source.iterdir():
-        if item.name in skip:
-            continue
-        if item.is_dir():
-            target.joinpath(item.name).mkdir()
-            _link_tree(item, target / item.name, ())
-            continue
-        try:
-            os.link(item, target / item.name)
-        except OSError:
-            shutil.copy2(item, target / item.name)
-
-
 class SensitivityPass(Pass):
     """torch -> torch: the same checkpoint plus the per-layer scan (and the fallback layers)."""
 
@@ -262,7 +245,7 @@ class SensitivityPass(Pass):
 
         # A list, most sensitive first: JSON objects are written with sorted keys.
         ranked = [{"module": name, "kl": kl} for name, kl in scores.items()]
-        _link_tree(source.path, out_dir, skip=(ARTIFACT_FILE,))
+        link_tree(source.path, out_dir, skip=(ARTIFACT_FILE,))
         fallback = {
             "mode": config.fallback.value,
             "kl_budget": config.kl_budget,

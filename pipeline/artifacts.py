@@ -10,6 +10,7 @@ import enum
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,23 @@ def write_json(path: Path, data: Any) -> None:
 
 def write_metadata(folder: Path, kind: Kind, metadata: dict[str, Any]) -> None:
     write_json(folder / ARTIFACT_FILE, {"kind": kind.value, "metadata": metadata})
+
+
+def link_tree(source: Path, target: Path, skip: tuple[str, ...] = ()) -> None:
+    """Hard-link (copy across filesystems) every file of ``source`` into the existing folder
+    ``target``, except the top-level names in ``skip``. Artifacts are never written in place, so
+    sharing their files between cache entries is safe."""
+    for item in source.iterdir():
+        if item.name in skip:
+            continue
+        if item.is_dir():
+            target.joinpath(item.name).mkdir()
+            link_tree(item, target / item.name)
+            continue
+        try:
+            os.link(item, target / item.name)
+        except OSError:
+            shutil.copy2(item, target / item.name)
 
 
 def read_metadata(folder: Path) -> dict[str, Any]:

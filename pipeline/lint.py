@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.artifacts import read_metadata
 from pipeline.errors import PipelineError, first_line
 
 SUPPORT_TABLE = Path(__file__).resolve().parent / "data" / "onnx_tensorrt_ops.json"
@@ -72,13 +73,11 @@ def model_file(path: Path) -> Path:
         return path
     if not path.is_dir():
         raise LintError(f"{path} does not exist: give a graph or engine folder, or a .onnx file")
-    for spec_name in ("engine.json", "artifact.json"):
-        spec = path / spec_name
-        if spec.is_file():
-            data = json.loads(spec.read_text())
-            name = data.get("model_file") or (data.get("metadata") or {}).get("model_file")
-            if name and (path / name).is_file():
-                return path / name
+    engine_spec = path / "engine.json"
+    name = json.loads(engine_spec.read_text()).get("model_file") if engine_spec.is_file() else None
+    name = name or read_metadata(path).get("model_file")
+    if name and (path / name).is_file():
+        return path / name
     if (path / "model.onnx").is_file():
         return path / "model.onnx"
     raise LintError(f"{path} holds no ONNX graph (no model.onnx): give a graph or engine folder")

@@ -95,8 +95,9 @@ def run_pipeline(
     passes = build_passes(cfg)
     validate(passes, Kind.TORCH)  # before any download or conversion
     spec_cfg = speculative_config(cfg)
-    if spec_cfg.enabled:
-        validate(draft_passes(cfg), Kind.TORCH)
+    drafting = draft_passes(cfg) if spec_cfg.enabled else []
+    if drafting:
+        validate(drafting, Kind.TORCH)
     speculative = None
 
     model_cfg = OmegaConf.to_object(cfg.model)
@@ -121,8 +122,8 @@ def run_pipeline(
     gate = None
     try:
         engine, records = PassManager(passes, cache).run(source)
-        if spec_cfg.enabled:
-            draft, draft_records = build_draft(cfg, source, engine, cache)
+        if drafting:
+            draft, draft_records = build_draft(drafting, source, engine, cache)
             engine, attach_hit = attach_draft(cache, engine, draft, spec_cfg.k)
             speculative = draft_summary(draft, draft_records, spec_cfg.k, attach_hit)
         if quality_fn is not None and quality_cfg.enabled:

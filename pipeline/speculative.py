@@ -14,27 +14,25 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
 import time
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline.artifacts import Artifact, Kind
+from pipeline.artifacts import Artifact, Kind, link_tree
 from pipeline.base import Pass
 from pipeline.cache import Cache, library_versions
 from pipeline.config import SpeculativeConfig
-from pipeline.errors import ConfigError, EngineError
+from pipeline.errors import ConfigError
 from pipeline.manager import PassManager, PassRecord
+from pipeline.manifest import engine_files
 from pipeline.plugins import build_passes
+from pipeline.runtime.ort import ENGINE_FILE, check_draft_folders
 
 log = logging.getLogger(__name__)
 
 DRAFT_DIR = "draft"
 ATTACH_VERSION = 1
-ENGINE_FILE = "engine.json"
 
 
 def speculative_config(cfg: DictConfig) -> SpeculativeConfig:
@@ -63,16 +61,17 @@ def draft_passes(cfg: DictConfig) -> list[Pass]:
 
 
 def build_draft(
-    cfg: DictConfig, source: Artifact, target: Artifact, cache: Cache
+    passes: list[Pass], source: Artifact, target: Artifact, cache: Cache
 ) -> tuple[Artifact, list[PassRecord]]:
-    """The draft engine (cached), once ``target`` is known to be able to roll back its cache."""
+    """The draft engine from its ``passes`` (cached), once ``target`` is known to be able to roll
+    back its cache."""
     if json.loads((target.path / ENGINE_FILE).read_text())["io"].get("kv_capacity"):
         raise ConfigError(
             "speculative=draft with a sliding-window KV buffer (kv_cache.window with layout=shared): "
             "the buffer evicts in place and cannot roll back rejected draft tokens; use layout=concat"
         )
     log.info("draft engine for speculative decoding")
-    return PassManager(draft_passes(cfg), cache).run(source)
+    return PassManager(passes, cache).run(source)
 
 
 def attach_draft(cache: Cache, target: Artifact, draft: Artifact, k: int) -> tuple[Artifact, bool]:
@@ -89,14 +88,15 @@ def attach_draft(cache: Cache, target: Artifact, draft: Artifact, k: int) -> tup
     found = cache.lookup(key, Kind.ENGINE)
     if found is not None:
         return found.artifact, True
-    _check_vocabulary(target, draft)
+    spec = json.loads((target.path / ENGINE_FILE).read_text())
+    check_draft_folders(target.path, spec, draft.path, json.loads((draft.path / ENGINE_FILE).read_text()))
     start = time.perf_counter()
     with cache.stage(key) as staging:
         out = staging / "output"
-        _link_tree(target.path, out)
-        _link_tree(draft.path, out / DRAFT_DIR)
+        link_tree(target.path, out)
+        (out / DRAFT_DIR).mkdir()
+        link_tree(draft.path, out / DRAFT_DIR)
         spec_path = out / ENGINE_FILE
-        spec = json.loads(spec_path.read_text())
         spec["speculative"] = {"draft": DRAFT_DIR, "k": k}
         spec_path.unlink()  # a hard link to the target's entry: write a new file, never through it
         spec_path.write_text(json.dumps(spec, indent=2) + "\n")
@@ -114,38 +114,13 @@ def attach_draft(cache: Cache, target: Artifact, draft: Artifact, k: int) -> tup
     return entry.artifact, False
 
 
-def _link_tree(source: Path, destination: Path) -> None:
-    """Copy a folder as hard links (cache entries are never written in place), else by copy."""
-
-    def link(src: str, dst: str) -> Any:
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-        return dst
-
-    shutil.copytree(source, destination, copy_function=link, dirs_exist_ok=True)
-
-
-def _check_vocabulary(target: Artifact, draft: Artifact) -> None:
-    target_spec = json.loads((target.path / ENGINE_FILE).read_text())
-    draft_spec = json.loads((draft.path / ENGINE_FILE).read_text())
-    sizes = target_spec["io"]["vocab_size"], draft_spec["io"]["vocab_size"]
-    if sizes[0] != sizes[1]:
-        raise EngineError(
-            f"the draft's vocabulary has {sizes[1]} tokens, the target's {sizes[0]}: a draft must "
-            "share the target's tokenizer"
-        )
-
-
 def draft_summary(draft: Artifact, records: list[PassRecord], k: int, cache_hit: bool) -> dict[str, Any]:
     """The manifest's ``speculative`` section: k, the draft's passes and its size."""
     spec = json.loads((draft.path / ENGINE_FILE).read_text())
-    files = [p for p in draft.path.rglob("*") if p.is_file()]
     return {
         "k": k,
         "draft_digest": draft.digest,
-        "draft_bytes": sum(p.stat().st_size for p in files),
+        "draft_bytes": sum(f["bytes"] for f in engine_files(draft.path)),
         "draft_layers": spec["io"]["num_layers"],
         "draft_passes": [r.to_dict() for r in records],
         "attach_cache_hit": cache_hit,

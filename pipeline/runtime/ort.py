@@ -376,21 +376,29 @@ KV_LAYOUTS = ("concat", "shared")
 
 
 def check_draft(target: Engine, draft: Engine) -> None:
-    """Refuse a draft that cannot propose the target's tokens: another vocabulary or tokenizer,
-    or a KV buffer that cannot roll back."""
-    if draft.io.vocab_size != target.io.vocab_size:
+    """Refuse a draft that cannot propose the target's tokens (see :func:`check_draft_folders`)."""
+    check_draft_folders(target.folder, target.spec, draft.folder, draft.spec)
+
+
+def check_draft_folders(
+    target_folder: Path, target_spec: dict[str, Any], draft_folder: Path, draft_spec: dict[str, Any]
+) -> None:
+    """Refuse a draft of another vocabulary or tokenizer, and KV buffers that cannot roll back;
+    from the engine folders and their ``engine.json``, before or without loading a session."""
+    target_io, draft_io = IOSpec.from_dict(target_spec["io"]), IOSpec.from_dict(draft_spec["io"])
+    if draft_io.vocab_size != target_io.vocab_size:
         raise EngineError(
-            f"draft {draft.folder} has a vocabulary of {draft.io.vocab_size} tokens, the target "
-            f"{target.io.vocab_size}: a draft must share the target's tokenizer"
+            f"draft {draft_folder} has a vocabulary of {draft_io.vocab_size} tokens, the target "
+            f"{target_io.vocab_size}: a draft must share the target's tokenizer"
         )
-    if draft.spec.get("tokens") != target.spec.get("tokens") or _tokenizer_digest(draft.folder) != (
-        _tokenizer_digest(target.folder)
+    if draft_spec.get("tokens") != target_spec.get("tokens") or _tokenizer_digest(draft_folder) != (
+        _tokenizer_digest(target_folder)
     ):
-        raise EngineError(f"draft {draft.folder} has another tokenizer than the target: rebuild the draft")
-    for engine in (target, draft):
-        if engine.io.kv_capacity:
+        raise EngineError(f"draft {draft_folder} has another tokenizer than the target: rebuild the draft")
+    for folder, io in ((target_folder, target_io), (draft_folder, draft_io)):
+        if io.kv_capacity:
             raise EngineError(
-                f"{engine.folder} keeps a sliding-window KV buffer, which cannot roll back rejected "
+                f"{folder} keeps a sliding-window KV buffer, which cannot roll back rejected "
                 "draft tokens: build without kv_cache.window or without speculative=draft"
             )
 

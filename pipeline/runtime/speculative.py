@@ -25,15 +25,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pipeline.runtime.generate import GenerationResult
+from pipeline.runtime.generate import GenerationResult, StepModel
 
 
-class CacheModel(Protocol):
-    def empty_cache(self, batch: int) -> Any: ...
-
-    def step(
-        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache: Any
-    ) -> tuple[np.ndarray, Any]: ...
+class CacheModel(StepModel, Protocol):
+    """A step model whose cache can be cut back to its first ``length`` positions."""
 
     def truncate_cache(self, cache: Any, length: int) -> Any: ...
 
