@@ -35,6 +35,8 @@ RECIPES = {
     "int4-matmulnbits": ["quant=int4_awq", *CALIBRATION],
     "int4-qdq-group32": ["quant=int4_awq", "quant.lowering=qdq", "quant.symmetric=true", *CALIBRATION],
     "fusion-ort": ["fusion=ort"],
+    "fusion-tensorrt": ["fusion=tensorrt"],
+    "int8-fusion-tensorrt": ["quant=int8", "fusion=tensorrt", *CALIBRATION],
 }
 
 
@@ -51,7 +53,9 @@ def _rules(findings: list[Finding]) -> set[tuple[str, str]]:
     return {(f.rule, f.op) for f in findings if f.severity == "error"}
 
 
-@pytest.mark.parametrize("recipe", ["fp32", "int8", "fp8", "int4-qdq"])
+@pytest.mark.parametrize(
+    "recipe", ["fp32", "int8", "fp8", "int4-qdq", "fusion-tensorrt", "int8-fusion-tensorrt"]
+)
 def test_graphs_for_tensorrt_pass(graphs: dict[str, Path], recipe: str) -> None:
     assert lint(graphs[recipe]) == []
 
