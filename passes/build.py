@@ -1,7 +1,10 @@
-"""Build: ONNX graph -> ``ort-cpu`` engine folder (graph stage -> engine).
+"""Build: ONNX graph -> ONNX Runtime engine folder (graph stage -> engine), for ``target=ort-cpu``
+(the default), ``ort-cuda`` (CUDA execution provider) and ``ort-trt`` (TensorRT execution
+provider, CUDA for what TensorRT does not take). ``target=tensorrt`` (a serialized TensorRT
+engine) is ``passes/tensorrt_build.py``.
 
-For ONNX Runtime on CPU the engine is the graph plus how to run it: ``engine.json`` (our
-runtime's contract: target, provider, session options, IO shape, special tokens) and a
+For ONNX Runtime the engine is the graph plus how to run it: ``engine.json`` (our
+runtime's contract: target, providers and their options, session options, IO shape, special tokens) and a
 ``genai_config.json`` following the ONNX Runtime GenAI spec (``model.decoder`` inputs/outputs,
 ``search`` defaults), so onnxruntime-genai and lm-eval's ``onnxruntime-genai`` backend can load
 the folder. Graph optimizations run when the session is created on the serving machine:
@@ -25,6 +28,8 @@ from pipeline.artifacts import Artifact, Kind, read_metadata, write_json, write_
 from pipeline.base import Pass
 from pipeline.config import register_pass
 from pipeline.errors import PassError
+from pipeline.gpu import require_ort_provider
+from pipeline.lint import lint
 from pipeline.runtime.ort import ENGINE_FILE, Engine, graph_ops
 
 GENAI_CONFIG = "genai_config.json"
@@ -50,14 +55,55 @@ class OrtCpuTargetConfig:
     max_length: int = 0
 
 
+@dataclass
+class OrtCudaTargetConfig(OrtCpuTargetConfig):
+    """ONNX Runtime on an NVIDIA GPU through the CUDA execution provider (onnxruntime-gpu)."""
+
+    _target_: str = "passes.build.OrtCudaBuildPass"
+    name: str = "ort-cuda"
+    device_id: int = 0
+
+
+@dataclass
+class OrtTrtTargetConfig(OrtCudaTargetConfig):
+    """ONNX Runtime's TensorRT execution provider: TensorRT builds engines for the subgraphs it
+    takes when the session is created, on the serving machine, and keeps them (and its timing
+    cache) in the runtime's cache folder (``PIPELINE_ORT_TRT_CACHE``, default
+    ``~/.cache/llm-pipeline/ort-trt``); CUDA runs the rest. Options as in ONNX Runtime's
+    TensorRT EP documentation (``trt_*``)."""
+
+    _target_: str = "passes.build.OrtTrtBuildPass"
+    name: str = "ort-trt"
+    builder_optimization_level: int = 3
+    workspace_gib: float = 8.0
+    # One optimization profile: batch 1..max_batch, 1..max_input_length new tokens, and a
+    # cache of up to max_length positions.
+    max_batch: int = 1
+    max_input_length: int = 2048
+    # The graph must lint clean for TensorRT (python -m pipeline.lint); false accepts a graph
+    # whose unsupported nodes ONNX Runtime then runs on CUDA instead.
+    lint: bool = True
+
+
 register_pass("target", "ort_cpu", OrtCpuTargetConfig)
+register_pass("target", "ort_cuda", OrtCudaTargetConfig)
+register_pass("target", "ort_trt", OrtTrtTargetConfig)
 
 
-def genai_config(metadata: dict[str, Any], max_length: int, threads: int) -> dict[str, Any]:
-    """``genai_config.json`` in the ONNX Runtime GenAI schema for a decoder-only model."""
+def genai_config(
+    metadata: dict[str, Any],
+    max_length: int,
+    threads: int,
+    genai_providers: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """``genai_config.json`` in the ONNX Runtime GenAI schema for a decoder-only model
+    (``genai_providers``: its ``provider_options``, e.g. ``[{"cuda": {}}]``; none: CPU)."""
     io, tokens = metadata["io"], metadata["tokens"]
     eos = tokens["eos_token_ids"]
-    session_options: dict[str, Any] = {"log_id": "onnxruntime-genai", "provider_options": []}
+    session_options: dict[str, Any] = {
+        "log_id": "onnxruntime-genai",
+        "provider_options": genai_providers or [],
+    }
     if threads:
         session_options["intra_op_num_threads"] = threads
     return {
@@ -147,14 +193,17 @@ class OrtCpuBuildPass(Pass):
         model_max = int(metadata.get("max_length", 2048))
         max_length = min(self.config.max_length, model_max) if self.config.max_length else model_max
         threads = self.config.intra_op_num_threads
-        write_json(out_dir / GENAI_CONFIG, genai_config(metadata, max_length, threads))
+        write_json(
+            out_dir / GENAI_CONFIG, genai_config(metadata, max_length, threads, self.genai_providers())
+        )
         kv = metadata.get("kv_cache", {})
         write_json(
             out_dir / ENGINE_FILE,
             {
                 "schema_version": 1,
                 "target": self.config.name,
-                "providers": ["CPUExecutionProvider"],
+                "providers": self.providers(),
+                "provider_options": self.provider_options(metadata, max_length),
                 "model_file": metadata["model_file"],
                 "io": {
                     **metadata["io"],
@@ -177,9 +226,25 @@ class OrtCpuBuildPass(Pass):
         )
         return {"max_length": max_length}
 
+    def providers(self) -> list[str]:
+        return ["CPUExecutionProvider"]
+
+    def genai_providers(self) -> list[dict[str, Any]]:
+        """ONNX Runtime GenAI's ``provider_options`` for this target (empty: CPU)."""
+        return []
+
+    def provider_options(self, metadata: dict[str, Any], max_length: int) -> list[dict[str, Any]]:
+        return [{}]
+
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
         engine = Engine(result.path)
         session = engine.model.session
+        active = session.get_providers()
+        if active[0] != self.providers()[0]:  # ONNX Runtime falls back quietly when an EP fails
+            raise PassError(
+                f"build: ONNX Runtime did not register {self.providers()[0]} (the session runs on "
+                f"{', '.join(active)}); its log says why (missing CUDA/TensorRT libraries, driver)"
+            )
         positions = {"position_ids"} if engine.io.has_position_ids else set()
         expected_in = {"input_ids", "attention_mask", *positions, *engine.io.past_names()}
         expected_out = {"logits", *engine.io.present_names()}
@@ -196,3 +261,79 @@ class OrtCpuBuildPass(Pass):
         if not np.isfinite(logits).all():
             raise PassError("build: the engine produced non-finite logits on a 3-token prompt")
         return {"session_check": "ok"}
+
+
+class OrtCudaBuildPass(OrtCpuBuildPass):
+    """``target=ort-cuda``: the ONNX Runtime engine folder for the CUDA execution provider."""
+
+    Config = OrtCudaTargetConfig
+
+    def preflight(self) -> None:
+        require_ort_provider("CUDAExecutionProvider")
+
+    def providers(self) -> list[str]:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    def genai_providers(self) -> list[dict[str, Any]]:
+        return [{"cuda": {"device_id": str(self.config.device_id)}}]
+
+    def provider_options(self, metadata: dict[str, Any], max_length: int) -> list[dict[str, Any]]:
+        return [{"device_id": self.config.device_id}, {}]
+
+
+class OrtTrtBuildPass(OrtCudaBuildPass):
+    """``target=ort-trt``: the engine folder for ONNX Runtime's TensorRT execution provider,
+    with the TensorRT-compatibility lint (``pipeline.lint``) as its precondition."""
+
+    Config = OrtTrtTargetConfig
+
+    def preflight(self) -> None:
+        require_ort_provider("TensorrtExecutionProvider")
+
+    def requires(self, source: Artifact) -> None:
+        super().requires(source)
+        if self.config.lint:
+            lint_or_refuse(source.path / metadata_model_file(source), "ort-trt", "target.lint=false")
+
+    def providers(self) -> list[str]:
+        return ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    def provider_options(self, metadata: dict[str, Any], max_length: int) -> list[dict[str, Any]]:
+        from passes.tensorrt_build import profile_shapes
+
+        (profile,) = profile_shapes(
+            metadata["io"], self.config.max_batch, min(self.config.max_input_length, max_length), max_length
+        ).values()
+        shapes = [
+            ",".join(f"{name}:{'x'.join(map(str, dims[i]))}" for name, dims in profile.items())
+            for i in range(3)
+        ]
+        device = {"device_id": self.config.device_id}
+        trt = {
+            **device,
+            "trt_max_workspace_size": int(self.config.workspace_gib * 2**30),
+            "trt_builder_optimization_level": self.config.builder_optimization_level,
+            "trt_engine_cache_enable": True,
+            "trt_timing_cache_enable": True,
+            # resolved by the runtime on the serving machine (pipeline.runtime.ort)
+            "trt_engine_cache_path": "{cache}",
+            "trt_timing_cache_path": "{cache}",
+            "trt_profile_min_shapes": shapes[0],
+            "trt_profile_opt_shapes": shapes[1],
+            "trt_profile_max_shapes": shapes[2],
+        }
+        return [trt, device, {}]
+
+
+def lint_or_refuse(model_file: Path, target: str, escape: str = "") -> None:
+    """Raise a :class:`PassError` naming the first TensorRT-lint error and how many there are."""
+    errors = [finding for finding in lint(model_file) if finding.severity == "error"]
+    if errors:
+        first = errors[0]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        hint = f", or {escape}" if escape else ""
+        raise PassError(
+            f"build: {model_file.name} is not TensorRT-compatible for target={target}: {first.rule} at "
+            f"node {first.node} ({first.op}): {first.message}{more}; see python -m pipeline.lint "
+            f"{model_file}{hint}"
+        )

@@ -49,6 +49,11 @@ class Pass(ABC):
         data.pop("_target_", None)
         return data
 
+    def preflight(self) -> None:  # noqa: B027 - optional hook
+        """Raise a :class:`~pipeline.errors.PipelineError` if this machine cannot run the pass
+        (no GPU, no TensorRT, ...). The manager asks every pass before the first one runs, so a
+        recipe ending in a GPU build fails at once, not after its long passes. Default: accept."""
+
     def requires(self, source: Artifact) -> None:  # noqa: B027 - optional hook
         """Raise :class:`PassError` if ``source`` cannot be processed. Default: accept."""
 

@@ -122,6 +122,11 @@ def run_benchmark(engine_dir: Path, config: BenchConfig, reference_dir: Path | N
     bar.close()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before a reference loads
     speculative = speculative_benchmark(engine, config) if engine.draft is not None else None
+    serving = None
+    if config.serving.enabled:
+        from pipeline.serving_bench import serving_benchmark
+
+        serving = serving_benchmark(engine, config.serving)
     versus = None
     if reference_dir is not None:
         versus = versus_reference(
@@ -135,13 +140,18 @@ def run_benchmark(engine_dir: Path, config: BenchConfig, reference_dir: Path | N
         "skipped_prompt_lengths": skipped,
         "tpot": {**summarize(per_run_tpot), "prompt_length": decode_prompt, "tokens": config.decode_tokens},
         "speculative": speculative,
+        "serving": serving,
         "vs_reference": versus,
         "peak_rss_mib": round(peak_rss, 1),
         "load_average": {
             "before": [round(x, 2) for x in load_before],
             "after": [round(x, 2) for x in os.getloadavg()],
         },
-        "threads": engine.model.session.get_session_options().intra_op_num_threads,
+        "threads": (
+            session.get_session_options().intra_op_num_threads
+            if (session := getattr(engine.model, "session", None))
+            else None  # a TensorRT engine
+        ),
         "host": host_info(),
     }
 

@@ -51,6 +51,26 @@ class PipelineSettings:
 
 
 @dataclass
+class ServingBenchConfig:
+    """Serving benchmark (``bench=serving``; ``pipeline/serving_bench.py``): a seeded trace of
+    ``requests`` requests (prompt and output lengths uniform in [low, high]) served at each
+    ``concurrency``, continuous vs static batching; and TTFT with a cached shared prefix."""
+
+    enabled: bool = False
+    requests: int = 16
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    prompt_lengths: list[int] = field(default_factory=lambda: [32, 256])
+    output_lengths: list[int] = field(default_factory=lambda: [16, 128])
+    warmup: int = 0
+    repeats: int = 2
+    seed: int = 0
+    prefix_tokens: int = 1500
+    suffix_tokens: int = 50
+    prefix_block: int = 64
+    prefix_repeats: int = 3
+
+
+@dataclass
 class BenchConfig:
     """Benchmark stage: TTFT per prompt length and TPOT, medians over ``repeats`` after warm-up."""
 
@@ -74,6 +94,11 @@ class BenchConfig:
     # model, its teacher's engine) alternately with this one and record the ratios; null: when
     # the recipe prunes.
     vs_reference: bool | None = None
+    serving: ServingBenchConfig = field(default_factory=ServingBenchConfig)
+
+    def __post_init__(self) -> None:  # from JSON (python -m pipeline.bench --config) it is a dict
+        if isinstance(self.serving, dict):
+            self.serving = ServingBenchConfig(**self.serving)
 
 
 @dataclass

@@ -41,7 +41,8 @@ class PassRecord:
 
 
 def validate(passes: list[Pass], source_kind: Kind, final_kind: Kind | None = Kind.ENGINE) -> None:
-    """Check that each pass consumes what the one before it produces."""
+    """Check that each pass consumes what the one before it produces, and that this machine
+    can run every pass (``Pass.preflight``), before any of them runs."""
     current, producer = source_kind, "the model source"
     for index, step in enumerate(passes, start=1):
         if step.consumes != current:
@@ -55,6 +56,8 @@ def validate(passes: list[Pass], source_kind: Kind, final_kind: Kind | None = Ki
             f"the recipe ends with {current.label} from {producer}, not {final_kind.label}: "
             f"select a target (target=ort-cpu)"
         )
+    for step in passes:
+        step.preflight()
 
 
 class PassManager:

@@ -68,6 +68,8 @@ def build_manifest(
             "path": engine_dir.name,
             "digest": engine.digest,
             "target": engine.metadata.get("target"),
+            # target=tensorrt: the TensorRT version and GPU the plan is tied to
+            **({"tensorrt": engine.metadata["tensorrt"]} if "tensorrt" in engine.metadata else {}),
             "files": engine_files(engine_dir),
         },
         "libraries": all_library_versions(),

@@ -31,12 +31,14 @@ from pipeline.config import BenchConfig, EvalConfig, ModelConfig, QualityConfig
 from pipeline.manager import PassManager, validate
 from pipeline.manifest import build_manifest, write_manifest
 from pipeline.plugins import build_passes
+from pipeline.serving_bench import plot_serving
 from pipeline.sources import resolve_source
 from pipeline.speculative import attach_draft, build_draft, draft_passes, draft_summary, speculative_config
 
 log = logging.getLogger(__name__)
 
 ENGINE_DIR = "engine"
+SERVING_PLOT = "serving.png"  # bench=serving: throughput vs concurrency
 # Groups whose passes optimize; the reference engine is the same recipe with all of them off.
 OPTIMIZATION_GROUPS = ("prune", "distill", "quant", "kv_cache", "fusion")
 
@@ -141,6 +143,9 @@ def run_pipeline(
                 peer = (reference.path, reference.digest)
             benchmark = measure(engine.path, engine.digest, bench_cfg, bench_cache, peer)
         engine_dir = place_engine(engine, run_dir)
+        if benchmark and benchmark.get("serving"):
+            plot = plot_serving(benchmark["serving"], run_dir / SERVING_PLOT)
+            benchmark["serving"]["plot"] = plot.name if plot else None
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)

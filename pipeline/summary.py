@@ -94,6 +94,8 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
                 f"draft tokens accepted, {spec['tokens_per_round']:.2f} tokens per target forward; "
                 f"output {same} the target's greedy output"
             )
+        if serving := bench.get("serving"):
+            console.print(serving_table(serving))
         load = bench["load_average"]
         console.print(
             f"peak RSS {bench['peak_rss_mib']:.0f} MiB · load average {load['before'][0]:.2f} → "
@@ -123,6 +125,55 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
     console.print(f"engine  {run_dir / engine['path']}  ({engine['target']}, {size:.0f} MiB)")
     console.print(f"record  {run_dir / 'manifest.json'}")
     console.print(f"gate    {manifest['gate']['verdict']} ({manifest['gate']['reason']})")
+
+
+def serving_table(serving: dict[str, Any]) -> Table:
+    """The serving benchmark: one row per mode and concurrency, plus the prefix-cache line."""
+    trace = serving["trace"]
+    table = Table(
+        title=(
+            f"Serving ({trace['requests']} requests, {trace['output_tokens']} output tokens, seeded; medians "
+            f"of {serving['config']['repeats']} runs; TTFT from arrival)"
+        ),
+        title_justify="left",
+    )
+    for column in (
+        "batching",
+        "concurrent",
+        "tokens/s",
+        "TTFT p50 / p95 ms",
+        "TPOT p50 / p95 ms",
+        "vs 1-by-1",
+    ):
+        table.add_column(column, justify="right")
+    ratios = serving["continuous_ratios"]
+    for row in serving["rows"]:
+        ratio = ratios.get(str(row["concurrency"]), {})
+        versus = ""
+        if row["mode"] == "continuous" and ratio.get("vs_one_by_one"):
+            versus = f"{ratio['vs_one_by_one']:.2f}x" + (
+                f" ({ratio['vs_static']:.2f}x static)" if ratio.get("vs_static") else ""
+            )
+        tpot = (
+            f"{row['tpot_p50_ms']:.1f} / {row['tpot_p95_ms']:.1f}" if row["tpot_p50_ms"] is not None else "-"
+        )
+        table.add_row(
+            row["mode"],
+            str(row["concurrency"]),
+            f"{row['tokens_per_s']:.1f}",
+            f"{row['ttft_p50_ms']:.0f} / {row['ttft_p95_ms']:.0f}",
+            tpot,
+            versus,
+        )
+    if prefix := serving.get("prefix_cache"):
+        table.caption = (
+            f"prefix cache: TTFT with a cached {prefix['cached_tokens']:.0f}-token prefix of "
+            f"{prefix['prefix_tokens']} + {prefix['suffix_tokens']} new tokens "
+            f"{prefix['ttft_cached_ms']:.0f} ms vs "
+            f"{prefix['ttft_uncached_ms']:.0f} ms uncached ({prefix['ratio']:.2f}x)"
+            + (f" · plot {serving['plot']}" if serving.get("plot") else "")
+        )
+    return table
 
 
 def gate_table(gate: dict[str, Any]) -> Table:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,12 +19,18 @@ import numpy as np
 import onnxruntime as ort
 
 from pipeline.artifacts import read_metadata
-from pipeline.errors import EngineError, first_line
+from pipeline.errors import ConfigError, EngineError, first_line
+from pipeline.gpu import require_ort_provider
 from pipeline.runtime.generate import GenerationConfig, GenerationResult, generate
+from pipeline.runtime.serving import Completion, Request, ServingLimits, serve
 from pipeline.runtime.speculative import DraftStats, speculative_generate
 
 ENGINE_FILE = "engine.json"
-SUPPORTED_TARGETS = ("ort-cpu",)
+SUPPORTED_TARGETS = ("ort-cpu", "ort-cuda", "ort-trt", "tensorrt")
+GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+# Where ONNX Runtime's TensorRT EP keeps the engines and timing cache it builds on this machine
+# (``{cache}`` in an ort-trt engine's provider options).
+ORT_TRT_CACHE_ENV = "PIPELINE_ORT_TRT_CACHE"
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 
 
@@ -87,6 +94,7 @@ class OrtModel:
         optimization: str = "all",
         providers: Sequence[str] = ("CPUExecutionProvider",),
         capacity: int = 0,
+        provider_options: Sequence[dict[str, Any]] | None = None,
     ) -> None:
         self.io = io
         if io.kv_layout == "shared" and capacity <= 0:
@@ -96,9 +104,14 @@ class OrtModel:
         shared = io.kv_layout == "shared"
         self.capacity = (io.kv_capacity or capacity) if shared else 0
         self._evicts = shared and io.kv_capacity > 0  # a window-sized buffer: never full
+        # on a GPU provider the KV cache stays in device memory between steps
+        self.device = "cuda" if providers and providers[0] in GPU_PROVIDERS else "cpu"
         try:
             self.session = ort.InferenceSession(
-                str(model_path), session_options(threads, optimization), providers=list(providers)
+                str(model_path),
+                session_options(threads, optimization),
+                providers=list(providers),
+                provider_options=list(provider_options) if provider_options else None,
             )
         except Exception as exc:  # ORT raises its own pybind types (InvalidGraph, NoSuchFile, ...)
             raise EngineError(f"ONNX Runtime cannot load {model_path} ({first_line(exc)})") from None
@@ -110,7 +123,8 @@ class OrtModel:
         """The cache before the first step: empty tensors, or the zeroed shared buffers."""
         shape = (batch, self.io.num_kv_heads, self.capacity, self.io.head_dim)
         return [
-            ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self._kv_dtype)) for _ in self._past_names
+            ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self._kv_dtype), self.device)
+            for _ in self._past_names
         ]
 
     def step(
@@ -141,10 +155,23 @@ class OrtModel:
             self.session.run_with_iobinding(binding)
             return logits, cache
         for name in self._present_names:
-            binding.bind_output(name, "cpu")
+            binding.bind_output(name, self.device)
         self.session.run_with_iobinding(binding)
         present = binding.get_outputs()[1:]
         return logits, list(present)
+
+    def cache_arrays(self, cache: list[ort.OrtValue]) -> list[np.ndarray]:
+        """The cache as numpy arrays (a copy), for rearranging rows (continuous batching)."""
+        if self.capacity:
+            raise EngineError("a shared KV buffer cannot be rearranged row by row")
+        return [value.numpy() for value in cache]
+
+    def cache_from_arrays(self, arrays: Sequence[np.ndarray]) -> list[ort.OrtValue]:
+        """A cache from numpy arrays (inverse of :meth:`cache_arrays`)."""
+        return [
+            ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=self._kv_dtype), self.device)
+            for array in arrays
+        ]
 
     def truncate_cache(self, cache: list[ort.OrtValue], length: int) -> list[ort.OrtValue]:
         """The cache of the first ``length`` positions (speculative decoding's rollback).
@@ -158,7 +185,7 @@ class OrtModel:
                 raise EngineError("a sliding-window KV buffer cannot be rolled back for speculative decoding")
             return cache
         kept = [np.ascontiguousarray(value.numpy()[:, :, :length]) for value in cache]
-        return [ort.OrtValue.ortvalue_from_numpy(array) for array in kept]
+        return [ort.OrtValue.ortvalue_from_numpy(array, self.device) for array in kept]
 
 
 @dataclass
@@ -193,17 +220,30 @@ class Engine:
             raise EngineError(f"{spec_path} is built for target '{target}'; this runtime runs {supported}")
         if not model_file.is_file():
             raise EngineError(f"{model_file} is missing: the engine folder is incomplete, rebuild it")
-        check_kv_layout(self.io, model_file, spec_path)
         session = self.spec.get("session", {})
         self.max_length = int(self.spec.get("max_length", 2048))
-        self.model = OrtModel(
-            model_file,
-            self.io,
-            threads=threads or int(session.get("intra_op_num_threads", 0)),
-            optimization=session.get("graph_optimization_level", "all"),
-            providers=self.spec.get("providers", ["CPUExecutionProvider"]),
-            capacity=self.max_length,
-        )
+        self.model: OrtModel | Any
+        if target == "tensorrt":
+            from pipeline.runtime.tensorrt import TrtModel
+
+            self.model = TrtModel(model_file, self.io, self.spec)
+        else:
+            check_kv_layout(self.io, model_file, spec_path)
+            providers = self.spec.get("providers", ["CPUExecutionProvider"])
+            if providers[0] in GPU_PROVIDERS:  # ONNX Runtime would quietly run it on the CPU
+                try:
+                    require_ort_provider(providers[0])
+                except ConfigError as exc:
+                    raise EngineError(f"{self.folder} is a {target} engine: {exc}") from None
+            self.model = OrtModel(
+                model_file,
+                self.io,
+                threads=threads or int(session.get("intra_op_num_threads", 0)),
+                optimization=session.get("graph_optimization_level", "all"),
+                providers=providers,
+                capacity=self.max_length,
+                provider_options=resolve_provider_options(self.spec.get("provider_options")),
+            )
         self._tokenizer: Any = None
         tokens = self.spec.get("tokens", {})
         self.eos_token_ids: list[int] = list(tokens.get("eos_token_ids", []))
@@ -332,6 +372,11 @@ class Engine:
             steps.extend(result.step_seconds)
         return GenerationResult(tokens, prefill, steps)
 
+    def serve(self, requests: Sequence[Request], limits: ServingLimits | None = None) -> list[Completion]:
+        """Serve ``requests`` with continuous batching (greedy; :mod:`pipeline.runtime.serving`);
+        for streams per request, use ``Server(engine).submit``."""
+        return serve(self, requests, limits)
+
     def generate(
         self,
         prompts: str | Sequence[str],
@@ -373,6 +418,25 @@ class Engine:
 
 
 KV_LAYOUTS = ("concat", "shared")
+
+
+def resolve_provider_options(options: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Provider options of ``engine.json`` for this machine: ``{cache}`` becomes the ORT
+    TensorRT EP's cache folder (``$PIPELINE_ORT_TRT_CACHE`` or ``~/.cache/llm-pipeline/ort-trt``),
+    created on first use."""
+    if not options:
+        return None
+    folder = Path(os.environ.get(ORT_TRT_CACHE_ENV) or "~/.cache/llm-pipeline/ort-trt").expanduser()
+    resolved = []
+    for entry in options:
+        values = {}
+        for key, value in entry.items():
+            if value == "{cache}":
+                folder.mkdir(parents=True, exist_ok=True)
+                value = str(folder)
+            values[key] = value
+        resolved.append(values)
+    return resolved
 
 
 def check_draft(target: Engine, draft: Engine) -> None:

@@ -9,6 +9,7 @@ model's greedy continuations change at every step.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from dataclasses import dataclass
@@ -433,10 +434,21 @@ def test_missing_folder_raises(tmp_path: Path) -> None:
 
 
 def test_unsupported_target_raises(engine_copy: Path) -> None:
-    _edit_spec(engine_copy, target="tensorrt")
-    with pytest.raises(EngineError, match="tensorrt") as info:
+    _edit_spec(engine_copy, target="openvino")
+    with pytest.raises(EngineError, match="openvino") as info:
         Engine(engine_copy)
     assert "ort-cpu" in str(info.value)
+
+
+def test_tensorrt_engine_without_tensorrt_is_one_line(engine_copy: Path) -> None:
+    """A TensorRT engine folder on a machine without TensorRT (or without a GPU): one line
+    naming the folder and what to install, before any plan is read."""
+    if importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("tensorrt is installed here: the refusal path needs a machine without it")
+    _edit_spec(engine_copy, target="tensorrt")
+    with pytest.raises(EngineError, match="TensorRT engine: TensorRT is not installed") as info:
+        Engine(engine_copy)
+    assert str(engine_copy) in str(info.value) and "\n" not in str(info.value)
 
 
 def test_missing_model_file_raises(engine_copy: Path) -> None:

@@ -1,0 +1,315 @@
+"""Build: ONNX graph (explicit Q/DQ) -> TensorRT engine (``target=tensorrt``).
+
+TensorRT 11 builds only strongly typed networks: every tensor's precision comes from the graph
+(its types and its QuantizeLinear/DequantizeLinear pairs), there are no FP16/INT8/FP8 builder
+flags and no INT8 calibrator (TensorRT Developer Guide, "Strongly Typed Networks" and "Working
+with Quantized Types"; TensorRT 11.0 release notes). So this pass adds no precision of its own:
+it parses the graph our quantization passes wrote with TensorRT's ONNX parser and builds it.
+
+Steps (TensorRT Python API, ``tensorrt`` 11.4, checked against the wheel's bindings):
+
+- ``requires``: the CPU lint (:mod:`pipeline.lint`: ops the parser imports, Q/DQ rules, no ONNX
+  Runtime contrib ops) passes; ``preflight``: TensorRT >= 11 imports and a CUDA GPU is visible,
+  checked before any pass of the recipe runs.
+- ``Builder.create_network(0)`` (always strongly typed), ``OnnxParser.parse_from_file``; a parse
+  failure names each refused node (``ParserError.node_name/node_operator/desc``).
+- Two optimization profiles over the KV-cache graph's dynamic axes (:func:`profile_shapes`):
+  ``prefill`` (1..``max_input_length`` new tokens) and ``decode`` (1..``decode_tokens`` new tokens:
+  one per step, ``k + 1`` when speculative decoding verifies), each with a cache of
+  0..``max_length - 1`` positions and batch 1..``max_batch``.
+- ``builder_optimization_level``, workspace pool limit and hardware compatibility from config; a
+  timing cache file per TensorRT version and GPU, loaded before and merged after each build so
+  later builds skip kernel timing.
+- ``build_serialized_network`` -> ``model.plan``; ``engine.json`` records the target, IO, the
+  profiles and what the engine is tied to (TensorRT version, GPU name and compute capability,
+  CUDA), which the runtime checks before deserializing (:mod:`pipeline.runtime.tensorrt`).
+- ``ensures``: the engine deserializes and a short forward gives finite logits.
+
+Not run here: these machines have no GPU and no TensorRT, so the build and ``ensures`` have only
+run where ``tests/passes/test_tensorrt_build.py``'s GPU tests run; on CPU, the lint, profiles,
+configuration and the no-GPU refusal are tested.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from filelock import FileLock
+
+from passes.build import lint_or_refuse, metadata_model_file
+from pipeline.artifacts import Artifact, Kind, read_metadata, write_json, write_metadata
+from pipeline.base import Pass
+from pipeline.config import register_pass
+from pipeline.errors import PassError
+from pipeline.gpu import require_tensorrt, tensorrt_module
+from pipeline.runtime.ort import ENGINE_FILE
+
+log = logging.getLogger(__name__)
+
+PLAN_FILE = "model.plan"
+# Files of the graph folder the engine keeps (the tokenizer and the model's own config); the
+# ONNX graph itself is not needed to run the plan and is identified by its digest.
+KEPT_SUFFIXES = (".json", ".jinja", ".txt", ".model")
+
+
+class HardwareCompatibility(enum.StrEnum):
+    """``IBuilderConfig.hardware_compatibility_level``: ``none`` ties the plan to the GPU model it
+    was built on; ``same_compute_capability`` to any GPU of that compute capability (Turing and
+    later); ``ampere_plus`` to any Ampere or later GPU (slower kernels)."""
+
+    none = "none"
+    same_compute_capability = "same_compute_capability"
+    ampere_plus = "ampere_plus"
+
+
+@dataclass
+class TensorRtTargetConfig:
+    """TensorRT engine settings (``target=tensorrt``)."""
+
+    _target_: str = "passes.tensorrt_build.TensorRtBuildPass"
+    name: str = "tensorrt"
+    # Optimization profiles: batch 1..max_batch; prefill 1..max_input_length new tokens; decode
+    # 1..decode_tokens new tokens (speculative decoding verifies k + 1); caches up to max_length
+    # positions in all (0: the model's context length).
+    max_batch: int = 1
+    max_input_length: int = 2048
+    decode_tokens: int = 8
+    max_length: int = 0
+    # IBuilderConfig.builder_optimization_level (0-5; TensorRT's default 3).
+    builder_optimization_level: int = 3
+    # The builder's workspace memory pool limit.
+    workspace_gib: float = 8.0
+    hardware_compatibility: HardwareCompatibility = HardwareCompatibility.none
+    # Timing cache folder (one file per TensorRT version and GPU); "" keeps none. It saves build
+    # time, not engine content, so it is not part of the pass's cache key.
+    timing_cache_dir: str = "~/.cache/llm-pipeline/tensorrt"
+
+
+register_pass("target", "tensorrt", TensorRtTargetConfig)
+
+
+def profile_shapes(
+    io: dict[str, Any],
+    max_batch: int,
+    max_input_length: int,
+    max_length: int,
+    decode_tokens: int | None = None,
+) -> dict[str, dict[str, tuple[list[int], list[int], list[int]]]]:
+    """Optimization profiles: name -> input -> (min, opt, max) shape.
+
+    Without ``decode_tokens`` one profile (``all``) covers every shape; with it, ``prefill``
+    takes 1..``max_input_length`` new tokens and ``decode`` 1..``decode_tokens`` (opt 1, with
+    a half-full cache). Every profile takes 0..``max_length - 1`` cached positions.
+    """
+    if not 1 <= max_input_length <= max_length:
+        raise PassError(
+            f"build: max_input_length={max_input_length} must be between 1 and max_length={max_length}"
+        )
+    if max_batch < 1:
+        raise PassError(f"build: max_batch={max_batch} must be at least 1")
+    heads, dim = int(io["num_kv_heads"]), int(io["head_dim"])
+    batch = (1, 1, max_batch)
+
+    def profile(new: tuple[int, int, int], past: tuple[int, int, int]) -> dict[str, Any]:
+        total = tuple(min(n + p, max_length) for n, p in zip(new, past, strict=True))
+        shapes = {
+            "input_ids": [[b, n] for b, n in zip(batch, new, strict=True)],
+            "attention_mask": [[b, t] for b, t in zip(batch, total, strict=True)],
+        }
+        if io.get("has_position_ids", True):
+            shapes["position_ids"] = shapes["input_ids"]
+        for layer in range(int(io["num_layers"])):
+            for kind in ("key", "value"):
+                shapes[f"past_key_values.{layer}.{kind}"] = [
+                    [b, heads, p, dim] for b, p in zip(batch, past, strict=True)
+                ]
+        return {name: tuple(dims) for name, dims in shapes.items()}
+
+    longest_past = max_length - 1
+    if decode_tokens is None:
+        return {"all": profile((1, min(512, max_input_length), max_input_length), (0, 0, longest_past))}
+    if not 1 <= decode_tokens <= max_input_length:
+        raise PassError(
+            f"build: decode_tokens={decode_tokens} must be between 1 and max_input_length={max_input_length}"
+        )
+    return {
+        "prefill": profile((1, min(512, max_input_length), max_input_length), (0, 0, longest_past)),
+        "decode": profile((1, 1, decode_tokens), (0, max_length // 2, longest_past)),
+    }
+
+
+def timing_cache_file(folder: str, trt_version: str, gpu: dict[str, Any]) -> Path | None:
+    """The timing cache of this TensorRT version on this GPU (None: keep no timing cache)."""
+    if not folder:
+        return None
+    slug = "".join(c if c.isalnum() else "-" for c in str(gpu["name"])).strip("-").lower()
+    return Path(folder).expanduser() / f"timing-trt{trt_version}-sm{gpu['compute_capability']}-{slug}.cache"
+
+
+def parser_errors(parser: Any) -> list[str]:
+    """One line per error of a failed ``OnnxParser.parse*``: node, operator, description."""
+    lines = []
+    for index in range(parser.num_errors):
+        error = parser.get_error(index)
+        lines.append(f"node '{error.node_name()}' ({error.node_operator()}): {error.desc()}")
+    return lines
+
+
+class TensorRtBuildPass(Pass):
+    Config = TensorRtTargetConfig
+    name = "build"
+    version = 1
+    consumes = Kind.GRAPH
+    produces = Kind.ENGINE
+
+    def preflight(self) -> None:
+        require_tensorrt()
+
+    def config_dict(self) -> dict[str, Any]:
+        """The config plus what the plan is tied to (TensorRT version, GPU): a plan built on
+        another GPU or TensorRT is another output, so they key the cache. The timing cache
+        folder shapes build time only and is left out."""
+        data = super().config_dict()
+        data.pop("timing_cache_dir", None)
+        version, gpu = require_tensorrt()
+        data["built_for"] = {
+            "tensorrt": version,
+            "gpu": gpu.name,
+            "compute_capability": gpu.compute_capability,
+        }
+        return data
+
+    def requires(self, source: Artifact) -> None:
+        metadata = source.metadata
+        if "io" not in metadata or "tokens" not in metadata:
+            raise PassError(f"build: {source.path} records no IO spec in artifact.json; re-export it")
+        kv = metadata.get("kv_cache", {})
+        if kv.get("layout") == "shared" or kv.get("window") or kv.get("dtype", "fp32") != "fp32":
+            raise PassError(
+                "build: kv_cache layout/window/dtype other than concat fp32 relies on ONNX Runtime's "
+                "GroupQueryAttention; for target=tensorrt use kv_cache=none or kv_cache=concat"
+            )
+        lint_or_refuse(source.path / metadata_model_file(source), self.config.name)
+
+    def _max_length(self, metadata: dict[str, Any]) -> int:
+        model_max = int(metadata.get("max_length", 2048))
+        return min(self.config.max_length, model_max) if self.config.max_length else model_max
+
+    def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
+        trt = tensorrt_module()
+        version, gpu = require_tensorrt()
+        metadata = read_metadata(source.path)
+        max_length = self._max_length(metadata)
+        profiles = profile_shapes(
+            metadata["io"],
+            self.config.max_batch,
+            min(self.config.max_input_length, max_length),
+            max_length,
+            self.config.decode_tokens,
+        )
+        logger = trt.Logger(trt.Logger.WARNING)
+        builder = trt.Builder(logger)
+        network = builder.create_network(0)  # TensorRT 11: always strongly typed
+        parser = trt.OnnxParser(network, logger)
+        model_file = source.path / metadata_model_file(source)
+        if not parser.parse_from_file(str(model_file)):
+            errors = parser_errors(parser)
+            raise PassError(
+                f"build: TensorRT's ONNX parser refused {model_file.name}: {'; '.join(errors[:3])}"
+                + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else "")
+            )
+        config = builder.create_builder_config()
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(self.config.workspace_gib * 2**30))
+        config.builder_optimization_level = self.config.builder_optimization_level
+        config.hardware_compatibility_level = getattr(
+            trt.HardwareCompatibilityLevel,
+            HardwareCompatibility(self.config.hardware_compatibility).name.upper(),
+        )
+        for profile_name, shapes in profiles.items():
+            profile = builder.create_optimization_profile()
+            for tensor, (low, opt, high) in shapes.items():
+                profile.set_shape(tensor, low, opt, high)
+            if config.add_optimization_profile(profile) < 0:
+                raise PassError(f"build: TensorRT refused the {profile_name} optimization profile")
+        cache_file = timing_cache_file(self.config.timing_cache_dir, version, gpu.to_dict())
+        timing_hit = bool(cache_file and cache_file.is_file())
+        timing = config.create_timing_cache(cache_file.read_bytes() if timing_hit else b"")  # type: ignore[union-attr]
+        config.set_timing_cache(timing, False)  # a cache from another GPU/TensorRT is refused
+        plan = builder.build_serialized_network(network, config)
+        if plan is None:
+            raise PassError("build: TensorRT could not build the engine; its log above says why")
+        plan_bytes = bytes(plan)
+        (out_dir / PLAN_FILE).write_bytes(plan_bytes)
+        if cache_file is not None:
+            save_timing_cache(cache_file, config)
+        for item in source.path.iterdir():
+            if item.is_file() and item.suffix in KEPT_SUFFIXES and item.name != "artifact.json":
+                shutil.copy2(item, out_dir / item.name)
+        tensorrt_record = {
+            "version": version,
+            "compute_capability": gpu.compute_capability,  # what the registry's pull checks
+            "gpu": gpu.to_dict(),
+            "hardware_compatibility": str(self.config.hardware_compatibility),
+            "builder_optimization_level": self.config.builder_optimization_level,
+            "workspace_gib": self.config.workspace_gib,
+            "profiles": {name: {t: list(s) for t, s in shapes.items()} for name, shapes in profiles.items()},
+            "graph_digest": source.digest,
+            "timing_cache_hit": timing_hit,
+        }
+        kv = metadata.get("kv_cache", {})
+        write_json(
+            out_dir / ENGINE_FILE,
+            {
+                "schema_version": 1,
+                "target": self.config.name,
+                "model_file": PLAN_FILE,
+                "io": {**metadata["io"], "kv_layout": "concat", "window": 0, "kv_capacity": 0},
+                "kv_cache": kv,
+                "tokens": metadata["tokens"],
+                "max_length": max_length,
+                "tensorrt": tensorrt_record,
+            },
+        )
+        write_metadata(
+            out_dir,
+            Kind.ENGINE,
+            {**metadata, "target": self.config.name, "max_length": max_length, "tensorrt": tensorrt_record},
+        )
+        return {
+            "max_length": max_length,
+            "plan_mib": round(len(bytes(plan)) / 2**20, 1),
+            "timing_cache_hit": timing_hit,
+        }
+
+    def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
+        from pipeline.runtime import Engine
+
+        model = Engine(result.path).model
+        logits, _ = model.step(
+            np.array([[1, 2, 3]]), np.ones((1, 3), np.int64), np.arange(3)[None], model.empty_cache(1)
+        )
+        if not np.isfinite(logits).all():
+            raise PassError("build: the TensorRT engine produced non-finite logits on a 3-token prompt")
+        return {"engine_check": "ok"}
+
+
+def save_timing_cache(path: Path, config: Any) -> None:
+    """Merge this build's timing cache into the file (``ITimingCache.combine``), atomically and
+    under a lock, so concurrent builds on one machine add to it rather than overwrite it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        cache = config.get_timing_cache()
+        if path.is_file():
+            merged = config.create_timing_cache(path.read_bytes())
+            merged.combine(cache, False)
+            cache = merged
+        staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        staging.write_bytes(bytes(cache.serialize()))
+        os.replace(staging, path)
