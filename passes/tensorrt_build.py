@@ -241,7 +241,10 @@ class TensorRtBuildPass(Pass):
         cache_file = timing_cache_file(self.config.timing_cache_dir, version, gpu.to_dict())
         timing_hit = bool(cache_file and cache_file.is_file())
         timing = config.create_timing_cache(cache_file.read_bytes() if timing_hit else b"")  # type: ignore[union-attr]
-        config.set_timing_cache(timing, False)  # a cache from another GPU/TensorRT is refused
+        if not config.set_timing_cache(timing, False):  # written by another device or TensorRT
+            log.warning("build: timing cache %s is from another GPU/TensorRT; starting anew", cache_file)
+            timing_hit = False
+            config.set_timing_cache(config.create_timing_cache(b""), False)
         plan = builder.build_serialized_network(network, config)
         if plan is None:
             raise PassError("build: TensorRT could not build the engine; its log above says why")

@@ -68,6 +68,9 @@ class ServingBenchConfig:
     suffix_tokens: int = 50
     prefix_block: int = 64
     prefix_repeats: int = 3
+    # Server limit (pipeline.runtime.ServingLimits) on the running batch's KV positions, padding
+    # included (0: concurrency x the engine's max_length, which never holds a request back).
+    max_kv_tokens: int = 0
 
 
 @dataclass

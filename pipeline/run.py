@@ -143,7 +143,7 @@ def run_pipeline(
                 peer = (reference.path, reference.digest)
             benchmark = measure(engine.path, engine.digest, bench_cfg, bench_cache, peer)
         engine_dir = place_engine(engine, run_dir)
-        if benchmark and benchmark.get("serving"):
+        if benchmark and benchmark.get("serving") and "rows" in benchmark["serving"]:
             plot = plot_serving(benchmark["serving"], run_dir / SERVING_PLOT)
             benchmark["serving"]["plot"] = plot.name if plot else None
     finally:

@@ -63,10 +63,14 @@ def _percentiles(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def run_continuous(engine: Any, trace: list[tuple[list[int], int]], concurrency: int) -> dict[str, Any]:
+def run_continuous(
+    engine: Any, trace: list[tuple[list[int], int]], concurrency: int, max_kv_tokens: int = 0
+) -> dict[str, Any]:
     from pipeline.runtime.serving import Request, Server, ServingLimits
 
-    limits = ServingLimits(max_sequences=concurrency, max_kv_tokens=concurrency * engine.max_length)
+    limits = ServingLimits(
+        max_sequences=concurrency, max_kv_tokens=max_kv_tokens or concurrency * engine.max_length
+    )
     server = Server(engine, limits)
     start = time.perf_counter()
     streams = [server.submit(Request(prompt, n, stop_at_eos=False)) for prompt, n in trace]
@@ -150,7 +154,14 @@ def prefix_ttft(engine: Any, config: ServingBenchConfig) -> dict[str, Any] | Non
 
 
 def serving_benchmark(engine: Any, config: ServingBenchConfig) -> dict[str, Any]:
-    """The serving record of one engine (see the module docstring)."""
+    """The serving record of one engine (see the module docstring); an engine the server cannot
+    batch (GroupQueryAttention) gets ``{"skipped": why}`` rather than failing the run."""
+    from pipeline.runtime.serving import Server, ServingError
+
+    try:
+        Server(engine)
+    except ServingError as exc:
+        return {"config": asdict(config), "skipped": str(exc)}
     trace = make_trace(config, engine.io.vocab_size, engine.max_length)
     modes = [("continuous", c) for c in config.concurrency] + [
         ("static", c) for c in config.concurrency if c > 1
@@ -159,8 +170,10 @@ def serving_benchmark(engine: Any, config: ServingBenchConfig) -> dict[str, Any]
     bar = tqdm(total=len(modes) * (config.warmup + config.repeats), desc="serving", unit="run")
     for run in range(config.warmup + config.repeats):
         for mode, concurrency in modes:  # interleaved, so drifting load hits every mode alike
-            runner = run_continuous if mode == "continuous" else run_static
-            result = runner(engine, trace, concurrency)
+            if mode == "continuous":
+                result = run_continuous(engine, trace, concurrency, config.max_kv_tokens)
+            else:
+                result = run_static(engine, trace, concurrency)
             if run >= config.warmup:
                 samples[(mode, concurrency)].append(result)
             bar.update()

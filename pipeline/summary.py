@@ -95,7 +95,10 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
                 f"output {same} the target's greedy output"
             )
         if serving := bench.get("serving"):
-            console.print(serving_table(serving))
+            if "skipped" in serving:
+                console.print(f"serving benchmark skipped: {serving['skipped']}")
+            else:
+                console.print(serving_table(serving))
         load = bench["load_average"]
         console.print(
             f"peak RSS {bench['peak_rss_mib']:.0f} MiB · load average {load['before'][0]:.2f} → "

@@ -97,6 +97,8 @@ class TrtModel:
         self._past_names = io.past_names()
         self._present_names = io.present_names()
         self._profile = -1
+        # an empty tensor (the cache before the first step) still gets a valid device address
+        self._placeholder = torch.empty(256, dtype=torch.uint8, device=self.device)
 
     def empty_cache(self, batch: int) -> list[Any]:
         shape = (batch, self.io.num_kv_heads, 0, self.io.head_dim)
@@ -138,7 +140,8 @@ class TrtModel:
             shape = tuple(self.context.get_tensor_shape(name))
             bound[name] = torch.empty(shape, dtype=self._dtypes[name], device=self.device)
         for name, tensor in bound.items():
-            self.context.set_tensor_address(name, tensor.data_ptr())
+            address = tensor.data_ptr() if tensor.numel() else self._placeholder.data_ptr()
+            self.context.set_tensor_address(name, address)
         if not self.context.execute_async_v3(stream.cuda_stream):
             raise EngineError("TensorRT failed to run the engine: its log above says why")
         logits = bound["logits"].float().cpu().numpy()  # synchronizes the stream

@@ -82,3 +82,16 @@ def test_bench_serving_from_the_cli(tiny_llama: Path, tmp_path: Path) -> None:
     assert [r["mode"] for r in serving["rows"]] == ["continuous", "continuous", "static"]
     assert serving["plot"] == "serving.png" and (tmp_path / "run" / "serving.png").is_file()
     assert "Serving (4 requests" in result.stdout and "prefix cache" in result.stdout
+
+
+def test_an_engine_that_cannot_batch_is_skipped_with_the_reason(tiny_graph: Artifact, tmp_path: Path) -> None:
+    from passes.build import OrtCpuBuildPass
+    from passes.fusion.fuse import FusionPass
+    from pipeline.artifacts import Kind
+
+    (tmp_path / "fused").mkdir()
+    FusionPass().run(tiny_graph, tmp_path / "fused")
+    (tmp_path / "engine").mkdir()
+    OrtCpuBuildPass().run(Artifact.from_dir(Kind.GRAPH, tmp_path / "fused"), tmp_path / "engine")
+    record = serving_benchmark(Engine(tmp_path / "engine"), ServingBenchConfig(**SMALL))
+    assert "left-padded batches" in record["skipped"] and "rows" not in record
