@@ -203,7 +203,12 @@ class OrtCpuBuildPass(Pass):
                 "schema_version": 1,
                 "target": self.config.name,
                 "providers": self.providers(),
-                "provider_options": self.provider_options(metadata, max_length),
+                # GPU targets only: an ort-cpu engine.json stays as it was (same digest, same cache)
+                **(
+                    {"provider_options": options}
+                    if any(options := self.provider_options(metadata, max_length))
+                    else {}
+                ),
                 "model_file": metadata["model_file"],
                 "io": {
                     **metadata["io"],
