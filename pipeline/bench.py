@@ -268,9 +268,12 @@ def benchmark_in_subprocess(
         raise EngineError(
             f"benchmark of {engine_dir} took over {config.timeout_s} s: raise bench.timeout_s"
         ) from None
+    if result.returncode < 0:  # killed by a signal: no message of its own
+        raise EngineError(f"benchmark of {engine_dir} crashed (signal {-result.returncode})")
     if result.returncode != 0:
-        lines = result.stderr.strip().splitlines() or ["no output"]
-        raise EngineError(f"benchmark of {engine_dir} failed: {lines[-1]}")
+        lines = [line for line in result.stderr.strip().splitlines() if "%|" not in line]  # not progress bars
+        errors = [line for line in lines if line.startswith("error:")]
+        raise EngineError(f"benchmark of {engine_dir} failed: {(errors or lines or ['no output'])[-1]}")
     record = json.loads(out_json.read_text())
     record["wall_seconds"] = round(time.perf_counter() - start, 1)
     return record

@@ -83,6 +83,7 @@ def run_continuous(
         "ttft": [c.first_token - start for c in done],
         "tpot": [c.tpot for c in done if c.tpot is not None],
         "mean_batch": statistics.mean(server.batch_sizes) if server.batch_sizes else 1.0,
+        "outputs": [c.tokens for c in done],
     }
 
 
@@ -195,6 +196,11 @@ def serving_benchmark(engine: Any, config: ServingBenchConfig) -> dict[str, Any]
                 and round(statistics.median(r["mean_batch"] for r in runs), 2),
             }
         )
+    # greedy: every continuous run must give each request the tokens it got one by one
+    alone = samples[modes[0]][0]["outputs"] if modes[0] == ("continuous", 1) else None
+    identical = alone is not None and all(
+        run["outputs"] == alone for (mode, _), runs in samples.items() if mode == "continuous" for run in runs
+    )
     by = {(r["mode"], r["concurrency"]): r["tokens_per_s"] for r in rows}
     one_by_one = by.get(("continuous", 1))
     ratios = {
@@ -213,6 +219,7 @@ def serving_benchmark(engine: Any, config: ServingBenchConfig) -> dict[str, Any]
         },
         "rows": rows,
         "continuous_ratios": ratios,
+        "identical_to_one_by_one": identical if alone is not None else None,
         "prefix_cache": prefix_ttft(engine, config),
     }
 

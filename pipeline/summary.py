@@ -168,14 +168,18 @@ def serving_table(serving: dict[str, Any]) -> Table:
             tpot,
             versus,
         )
+    same = serving.get("identical_to_one_by_one")
+    notes = [] if same is None else [f"outputs {'identical to' if same else 'DIFFERENT from'} one by one"]
     if prefix := serving.get("prefix_cache"):
-        table.caption = (
+        notes.append(
             f"prefix cache: TTFT with a cached {prefix['cached_tokens']:.0f}-token prefix of "
             f"{prefix['prefix_tokens']} + {prefix['suffix_tokens']} new tokens "
             f"{prefix['ttft_cached_ms']:.0f} ms vs "
             f"{prefix['ttft_uncached_ms']:.0f} ms uncached ({prefix['ratio']:.2f}x)"
-            + (f" · plot {serving['plot']}" if serving.get("plot") else "")
         )
+    if serving.get("plot"):
+        notes.append(f"plot {serving['plot']}")
+    table.caption = " · ".join(notes) or None
     return table
 
 

@@ -161,10 +161,11 @@ class OrtModel:
         return logits, list(present)
 
     def cache_arrays(self, cache: list[ort.OrtValue]) -> list[np.ndarray]:
-        """The cache as numpy arrays (a copy), for rearranging rows (continuous batching)."""
+        """The cache as numpy arrays, for rearranging rows (continuous batching). Copies:
+        ``OrtValue.numpy()`` is a view into memory the OrtValue owns and frees with it."""
         if self.capacity:
             raise EngineError("a shared KV buffer cannot be rearranged row by row")
-        return [value.numpy() for value in cache]
+        return [value.numpy().copy() for value in cache]
 
     def cache_from_arrays(self, arrays: Sequence[np.ndarray]) -> list[ort.OrtValue]:
         """A cache from numpy arrays (inverse of :meth:`cache_arrays`)."""
@@ -184,7 +185,7 @@ class OrtModel:
             if self._evicts:
                 raise EngineError("a sliding-window KV buffer cannot be rolled back for speculative decoding")
             return cache
-        kept = [np.ascontiguousarray(value.numpy()[:, :, :length]) for value in cache]
+        kept = [value.numpy()[:, :, :length].copy() for value in cache]  # not a view: see cache_arrays
         return [ort.OrtValue.ortvalue_from_numpy(array, self.device) for array in kept]
 
 

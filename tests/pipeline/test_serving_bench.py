@@ -41,6 +41,7 @@ def test_record_has_every_mode_and_the_prefix_cache(tiny_engine: Artifact, tmp_p
     for row in record["rows"]:
         assert row["tokens_per_s"] > 0 and row["ttft_p50_ms"] <= row["ttft_p95_ms"]
     assert record["continuous_ratios"]["1"]["vs_one_by_one"] == 1.0
+    assert record["identical_to_one_by_one"] is True
     assert record["continuous_ratios"]["2"]["vs_static"] is not None
     prefix = record["prefix_cache"]
     assert prefix["cached_tokens"] == 128 and prefix["ttft_cached_ms"] > 0
@@ -50,6 +51,7 @@ def test_record_has_every_mode_and_the_prefix_cache(tiny_engine: Artifact, tmp_p
     console.print(serving_table(record))
     text = console.export_text()
     assert "continuous" in text and "static" in text and "prefix cache" in text
+    assert "outputs identical to one by one" in text
 
 
 def test_prefix_part_is_skipped_when_the_engine_is_too_short(tiny_engine: Artifact) -> None:
