@@ -259,6 +259,10 @@ class Server:
         need = len(request.prompt) + request.max_new_tokens
         if not request.prompt or request.max_new_tokens < 1:
             raise ServingError("a request needs at least one prompt token and max_new_tokens >= 1")
+        vocab = self.engine.io.vocab_size
+        if not all(0 <= int(token) < vocab for token in request.prompt):
+            bad = next(int(t) for t in request.prompt if not 0 <= int(t) < vocab)
+            raise ServingError(f"prompt token id {bad} is outside the engine's vocabulary (0..{vocab - 1})")
         if need > self.engine.max_length:
             raise ServingError(
                 f"a {len(request.prompt)}-token prompt plus {request.max_new_tokens} new tokens exceeds the "
@@ -308,7 +312,10 @@ class Server:
                     self._lock.wait()
                 if self._closing and not self._waiting and not self._batch.rows:
                     return
-            self._step()
+            try:
+                self._step()
+            except Exception:  # the failed requests' streams carry the error; serve on
+                continue
 
     def _step(self) -> bool:
         """Admit what fits, then one decode step for the batch; False when idle."""
@@ -344,7 +351,11 @@ class Server:
                         raise ServingError(f"a {reserve}-position request does not fit the limits")
                     return
                 self._waiting.popleft()
-            self._prefill(stream, reserve)
+            try:
+                self._prefill(stream, reserve)
+            except Exception as exc:  # the newcomer's stream ends with the error, the batch goes on
+                stream._finish(None, exc)
+                raise
 
     def _prefill(self, stream: RequestStream, reserve: int) -> None:
         prompt = list(stream.request.prompt)

@@ -165,3 +165,10 @@ def test_engines_that_cannot_batch_are_refused(tiny_graph: Artifact, tmp_path: P
     OrtCpuBuildPass().run(Artifact.from_dir(Kind.GRAPH, tmp_path / "fused"), tmp_path / "engine")
     with pytest.raises(ServingError, match="left-padded batches"):
         serve(Engine(tmp_path / "engine"), [Request([5, 6, 7], 4)])
+
+
+def test_a_token_outside_the_vocabulary_is_refused_at_submit(engine: Engine) -> None:
+    with pytest.raises(
+        ServingError, match=r"prompt token id 330 is outside the engine's vocabulary \(0\.\.319\)"
+    ):
+        Server(engine).submit(Request([5, engine.io.vocab_size + 10, 7], 4))
