@@ -155,6 +155,12 @@ def genai_config(
     }
 
 
+def engine_max_length(metadata: dict[str, Any], configured: int) -> int:
+    """The engine's max_length: the configured one (0: none) capped by the model's context."""
+    model_max = int(metadata.get("max_length", 2048))
+    return min(configured, model_max) if configured else model_max
+
+
 def metadata_model_file(source: Artifact) -> str:
     return str(source.metadata.get("model_file", "model.onnx"))
 
@@ -190,8 +196,7 @@ class OrtCpuBuildPass(Pass):
         for item in source.path.iterdir():
             if item.is_file() and item.name != "artifact.json":
                 shutil.copy2(item, out_dir / item.name)
-        model_max = int(metadata.get("max_length", 2048))
-        max_length = min(self.config.max_length, model_max) if self.config.max_length else model_max
+        max_length = engine_max_length(metadata, self.config.max_length)
         threads = self.config.intra_op_num_threads
         write_json(
             out_dir / GENAI_CONFIG, genai_config(metadata, max_length, threads, self.genai_providers())

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 from filelock import FileLock
 
-from passes.build import lint_or_refuse, metadata_model_file
+from passes.build import engine_max_length, lint_or_refuse, metadata_model_file
 from pipeline.artifacts import Artifact, Kind, read_metadata, write_json, write_metadata
 from pipeline.base import Pass
 from pipeline.config import register_pass
@@ -198,15 +198,11 @@ class TensorRtBuildPass(Pass):
             )
         lint_or_refuse(source.path / metadata_model_file(source), self.config.name)
 
-    def _max_length(self, metadata: dict[str, Any]) -> int:
-        model_max = int(metadata.get("max_length", 2048))
-        return min(self.config.max_length, model_max) if self.config.max_length else model_max
-
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         trt = tensorrt_module()
         version, gpu = require_tensorrt()
         metadata = read_metadata(source.path)
-        max_length = self._max_length(metadata)
+        max_length = engine_max_length(metadata, self.config.max_length)
         profiles = profile_shapes(
             metadata["io"],
             self.config.max_batch,
