@@ -7,7 +7,7 @@ What one run does:
 1. **Build** every row with the real CLI, one subprocess each (``benchmarks/quantization.py``
    ``build_recipe``: ``python -m pipeline model=llama quant=none <overrides> bench=none``). The
    pipeline cache keeps pruned, distilled and draft checkpoints, so only the first run trains
-   (each ``distill=kd`` about 30 min alone on 2 cores); ``--steps N`` sets every distillation's
+   (each ``distill=kd`` about 17 min alone on 2 cores); ``--steps N`` sets every distillation's
    steps (the students' and the draft's). Each run scores its engine against the reference
    engine (the same recipe without prune/distill: the teacher's engine) on the held-out text:
    perplexity of both, mean KL(teacher || student) per token and top-1 agreement

@@ -343,6 +343,9 @@ class GenAIModelEngine(Engine):
         eos = model.get("eos_token_id", [])
         self.eos_token_ids = [int(t) for t in (eos if isinstance(eos, list) else [eos])]
         self.pad_token_id = int(model.get("pad_token_id", self.eos_token_ids[0] if self.eos_token_ids else 0))
+        self.draft = None  # a builder folder has no speculative draft
+        self.speculative_k = 0
+        self.last_draft_stats = None
 
 
 def genai_greedy_check(engine: GenAIModelEngine) -> dict[str, Any]:

@@ -8,7 +8,11 @@ Loss per token: ``T^2 KL(softmax(z_teacher / T) || softmax(z_student / T))``, pl
 output of the teacher layer it was cut from (``prune`` records which; needs an unpruned hidden
 size). Optimizer: AdamW, linear warm-up over ``warmup_ratio`` of the steps, then cosine decay
 to zero; ``batch_size`` sequences per step as ``batch_size / micro_batch_size`` accumulated
-micro-batches. Data: token windows of the shipped calibration text (``calibration/data``; the
+micro-batches. Precision (``precision="bf16"``, the default): mixed precision after Micikevicius
+et al. 2018, "Mixed Precision Training": the student's forward and backward run under
+``torch.autocast(bfloat16)`` and the teacher as a bfloat16 copy, while master weights, AdamW
+state and the KD loss stay fp32 (bfloat16 has fp32's range, so no loss scaling).
+Data: token windows of the shipped calibration text (``calibration/data``; the
 eval suites are synthetic and the quality text is GPL-3, so neither is trained on), reshuffled
 every epoch; ``HOLDOUT`` windows are never trained on and measure perplexity and KL against the
 teacher before and after.
@@ -23,6 +27,7 @@ ends with the same weights as an uninterrupted one. Defaults fit the 2-core CPU:
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -45,6 +50,7 @@ log = logging.getLogger(__name__)
 HOLDOUT = 8  # windows never trained on: perplexity and KL vs the teacher, before and after
 CHECKPOINT_FILE = "distill_state.pt"
 CURVE_EVERY = 5  # steps between points of the loss curve kept in the record
+PRECISIONS = ("bf16", "fp32")
 
 
 @dataclass
@@ -52,7 +58,7 @@ class DistillConfig:
     """Logit (and optionally hidden-state) distillation from the unpruned teacher."""
 
     _target_: str = "passes.distill.DistillPass"
-    steps: int = 120
+    steps: int = 160
     seq_len: int = 256
     batch_size: int = 8  # sequences per optimizer step
     # Sequences per forward/backward; batch_size / micro_batch_size are accumulated. One micro-batch
@@ -66,6 +72,11 @@ class DistillConfig:
     checkpoint_every: int = 20
     dataset: str = "python_reference"
     seed: int = 0
+    # "bf16": the teacher runs as a bfloat16 copy and the student's forward/backward under
+    # torch.autocast(bfloat16), with fp32 master weights, AdamW state and KD loss (mixed precision,
+    # Micikevicius et al. 2018). Measured on this CPU (AMX-BF16): 6.4-7.7 s a step vs 12.8-15.4 s
+    # in fp32. "fp32" trains in full precision (for CPUs without native bfloat16).
+    precision: str = "bf16"
 
 
 register_pass("distill", "distill", DistillConfig)
@@ -83,6 +94,7 @@ def validate(config: DistillConfig) -> None:
         "temperature": config.temperature > 0,
         "hidden_weight": config.hidden_weight >= 0,
         "checkpoint_every": config.checkpoint_every >= 1,
+        "precision": config.precision in PRECISIONS,
     }
     checks["dataset"] = config.dataset in DATASETS
     for knob, ok in checks.items():
@@ -90,6 +102,7 @@ def validate(config: DistillConfig) -> None:
             hint = {
                 "batch_size": f" (a multiple of distill.micro_batch_size={config.micro_batch_size})",
                 "dataset": f" (choose one of {', '.join(sorted(DATASETS))})",
+                "precision": f" (choose one of {', '.join(PRECISIONS)})",
             }.get(knob, "")
             raise PassError(f"distill.{knob}={getattr(config, knob)!r} is out of range{hint}")
 
@@ -201,6 +214,8 @@ class DistillPass(Pass):
             state["step"] * config.batch_size :
         ]
 
+        # The fp32 teacher measures quality before and after; a bfloat16 copy teaches.
+        trainer = copy.deepcopy(teacher).to(torch.bfloat16) if config.precision == "bf16" else teacher
         student.train()
         accumulate = config.batch_size // config.micro_batch_size
         bar = tqdm(total=config.steps, initial=state["step"], desc="distill", unit="step")
@@ -217,7 +232,7 @@ class DistillPass(Pass):
                     ids = torch.from_numpy(
                         np.ascontiguousarray(train[batch[start : start + config.micro_batch_size]])
                     )
-                    loss = self._loss(teacher, student, ids, layer_map) / accumulate
+                    loss = self._loss(trainer, student, ids, layer_map) / accumulate
                     loss.backward()
                     total += float(loss.detach())
                 torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
@@ -232,6 +247,7 @@ class DistillPass(Pass):
                     self._save(student, optimizer, schedule, state)
         finally:
             bar.close()
+        del trainer
         student.eval()
         after = holdout_quality(teacher, student, holdout)
 
@@ -259,13 +275,14 @@ class DistillPass(Pass):
         hidden = self.config.hidden_weight > 0
         with torch.no_grad():
             t_out = teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden)
-        s_out = student(input_ids=ids, use_cache=False, output_hidden_states=hidden)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.precision == "bf16"):
+            s_out = student(input_ids=ids, use_cache=False, output_hidden_states=hidden)
         loss = kd_loss(s_out.logits, t_out.logits, self.config.temperature)
         if hidden:  # hidden_states[i + 1] is layer i's output
             pairs = [
                 (s_out.hidden_states[i + 1], t_out.hidden_states[t + 1]) for i, t in enumerate(layer_map)
             ]
-            mse = sum(torch.nn.functional.mse_loss(s, t) for s, t in pairs) / len(pairs)
+            mse = sum(torch.nn.functional.mse_loss(s.float(), t.float()) for s, t in pairs) / len(pairs)
             loss = loss + self.config.hidden_weight * mse
         return loss
 

@@ -54,9 +54,18 @@ def test_one_step_lowers_the_kd_loss_on_a_fixed_batch(pruned: Artifact) -> None:
         assert float(loss()) < float(before)
 
 
-def test_distillation_recovers_and_records_its_curve(pruned: Artifact, tmp_path: Path) -> None:
-    result, metrics = distill(pruned, tmp_path / "out", tmp_path / "ckpt", steps=6)
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_distillation_recovers_and_records_its_curve(
+    pruned: Artifact, tmp_path: Path, precision: str
+) -> None:
+    from safetensors.torch import load_file
+
+    result, metrics = distill(pruned, tmp_path / "out", tmp_path / "ckpt", steps=6, precision=precision)
     assert metrics["holdout_after"]["kl_vs_teacher"] < metrics["holdout_before"]["kl_vs_teacher"]
+    # bf16 is mixed precision: the master weights, and so the checkpoint, stay fp32.
+    weights = load_file(result.path / "model.safetensors")
+    assert {str(tensor.dtype) for tensor in weights.values()} == {"torch.float32"}
+    assert result.metadata["distill"]["precision"] == precision
     assert [point[0] for point in metrics["loss_curve"]] == [1, 5, 6]
     assert metrics["resumed_from_step"] == 0 and metrics["tokens_trained"] == 6 * 2 * 32
     assert result.metadata["distill"]["steps"] == 6 and (result.path / "tokenizer.json").is_file()
@@ -116,6 +125,9 @@ def test_without_a_pruned_student_or_with_another_tokenizer_it_refuses(
     (tmp_path / "student" / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(PassError, match="the student's tokenizer differs from the teacher's"):
         DistillPass(**SMALL).requires(Artifact.from_dir(Kind.TORCH, tmp_path / "student"))
+    bad_precision = r"distill\.precision='fp8' is out of range \(choose one of bf16, fp32\)"
+    with pytest.raises(PassError, match=bad_precision):
+        DistillPass(**{**SMALL, "precision": "fp8"}).requires(pruned)
     with pytest.raises(PassError, match=r"distill\.batch_size=3 is out of range"):
         DistillPass(**{**SMALL, "batch_size": 3, "micro_batch_size": 2}).requires(pruned)
 
