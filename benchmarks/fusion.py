@@ -5,6 +5,8 @@ Rows (each built with the real CLI, ``bench=none``, so reruns come from the pipe
 - ``fp32 unfused / concat``: ``quant=none`` (the export as is);
 - ``fp32 fused / concat`` and ``fp32 fused / shared``: ``fusion=ort kv_cache=concat|shared``;
 - ``... / int8 KV``: the shared layout with an int8 cache (``kv_cache.dtype=int8``);
+- ``... / fp8 KV``: the concat layout with an fp8 cache (``kv_cache.dtype=fp8``, Q/DQ at the
+  cache IO; a shared buffer cannot take it);
 - ``int8 ...`` and ``<int4> ...``: the same for ``quant=int8`` (SmoothQuant W8A8) and
   ``quant=<int4 recipe>`` (int8 has no builder peer: its ratio column is against builder fp32);
 - ``builder fp32`` and ``builder int4``: ``python -m onnxruntime_genai.models.builder -p fp32|int4``
@@ -76,6 +78,12 @@ def rows_to_build(int4: str) -> list[tuple[str, str, tuple[str, ...], str]]:
             ("fusion=ort", "kv_cache=shared", "kv_cache.dtype=int8"),
             "int4",
         ),
+        (
+            "fp32 fused / concat / fp8 KV",
+            "none",
+            ("fusion=ort", "kv_cache=concat", "kv_cache.dtype=fp8"),
+            "fp32",
+        ),
     ]
 
 
@@ -123,7 +131,7 @@ def peak_rss(folder: Path, tokens: int, threads: int) -> dict[str, int]:
 def kv_bytes(engine: Engine, tokens: int) -> int:
     """Bytes the cache holds at ``tokens`` tokens (a shared layout preallocates ``max_length``)."""
     io = engine.io
-    itemsize = np.dtype(io.kv_dtype).itemsize
+    itemsize = io.kv_itemsize()
     held = engine.max_length if io.kv_layout == "shared" else tokens
     return 2 * io.num_layers * io.num_kv_heads * io.head_dim * held * itemsize
 

@@ -3,7 +3,10 @@ perplexity of each, mean KL(reference || candidate) of the next-token distributi
 agreement (the fraction of positions where both pick the same greedy token).
 
 Both engines run through the real runtime (``pipeline.runtime``), window by window, on the
-same tokens: the shipped held-out text (``evals/data/``) cut into consecutive windows.
+same tokens: the shipped held-out text (``evals/data/``) cut into consecutive windows. Each
+window is fed ``chunk`` tokens a step, so all but its first chunk are scored through the KV
+cache the engine stored (a prefill alone never reads the cache, and would hide an fp8 or int8
+cache's rounding).
 """
 
 from __future__ import annotations
@@ -42,15 +45,26 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
-def _logits(engine: Engine, window: np.ndarray) -> np.ndarray:
+def _logits(engine: Engine, window: np.ndarray, chunk: int) -> np.ndarray:
+    """The window's logits, fed ``chunk`` tokens a step through the engine's KV cache."""
     model = engine.model
-    ids = window[None]
-    logits, _ = model.step(ids, np.ones_like(ids), np.arange(ids.shape[1])[None], model.empty_cache(1))
-    return logits[0]
+    cache = model.empty_cache(1)
+    step = chunk or len(window)
+    pieces = []
+    for start in range(0, len(window), step):
+        ids = window[None, start : start + step]
+        end = start + ids.shape[1]
+        logits, cache = model.step(ids, np.ones((1, end), np.int64), np.arange(start, end)[None], cache)
+        pieces.append(logits[0])
+    return np.concatenate(pieces)
 
 
 def compare(candidate: Engine, reference: Engine | None, config: QualityConfig) -> dict[str, Any]:
     """Score ``candidate`` (and ``reference``, unless None: the candidate is the reference)."""
+    if config.chunk < 0:
+        raise EngineError(
+            f"quality.chunk={config.chunk}: use a positive number of tokens, or 0 for one prefill"
+        )
     windows = held_out_windows(candidate, config)
     nll_candidate: list[float] = []
     nll_reference: list[float] = []
@@ -58,11 +72,11 @@ def compare(candidate: Engine, reference: Engine | None, config: QualityConfig) 
     agree: list[float] = []
     for window in tqdm(windows, desc="quality", unit="window"):
         targets = window[1:]
-        cand = _log_softmax(_logits(candidate, window))[:-1]
+        cand = _log_softmax(_logits(candidate, window, config.chunk))[:-1]
         nll_candidate.append(float(-cand[np.arange(len(targets)), targets].sum()))
         if reference is None:
             continue
-        ref = _log_softmax(_logits(reference, window))[:-1]
+        ref = _log_softmax(_logits(reference, window, config.chunk))[:-1]
         nll_reference.append(float(-ref[np.arange(len(targets)), targets].sum()))
         kl.append(float((np.exp(ref) * (ref - cand)).sum(-1).sum()))
         agree.append(float((ref.argmax(-1) == cand.argmax(-1)).sum()))
@@ -72,6 +86,7 @@ def compare(candidate: Engine, reference: Engine | None, config: QualityConfig) 
         "tokens_scored": scored,
         "windows": int(windows.shape[0]),
         "window": int(windows.shape[1]),
+        "chunk": config.chunk,
         "perplexity": round(float(np.exp(sum(nll_candidate) / scored)), 4),
     }
     if reference is None:

@@ -161,6 +161,18 @@ def engine_max_length(metadata: dict[str, Any], configured: int) -> int:
     return min(configured, model_max) if configured else model_max
 
 
+def check_fp8_cache_applied(source: Artifact) -> None:
+    """Refuse a graph whose kv_cache pass asked for an fp8 cache that no fusion pass stored: the
+    fusion pass writes its Q/DQ (``passes/fusion/kv_cache_dtype.py``), with either rule set."""
+    if source.metadata.get("kv_cache", {}).get("dtype") == "fp8" and (
+        source.metadata["io"].get("kv_dtype") != "float8_e4m3fn"
+    ):
+        raise PassError(
+            "build: kv_cache.dtype=fp8 is stored by the fusion pass, which did not run on this graph: "
+            "add fusion=ort (or fusion=tensorrt)"
+        )
+
+
 def metadata_model_file(source: Artifact) -> str:
     return str(source.metadata.get("model_file", "model.onnx"))
 
@@ -181,7 +193,7 @@ class OrtCpuBuildPass(Pass):
             for option, asked in (
                 ("kv_cache=shared", kv.get("layout") == "shared"),
                 (f"kv_cache.window={kv.get('window')}", bool(kv.get("window"))),
-                (f"kv_cache.dtype={kv.get('dtype')}", kv.get("dtype", "fp32") != "fp32"),
+                (f"kv_cache.dtype={kv.get('dtype')}", kv.get("dtype", "fp32") not in ("fp32", "fp8")),
             )
             if asked
         ]
@@ -190,6 +202,7 @@ class OrtCpuBuildPass(Pass):
                 f"build: {', '.join(wanted)} needs the attention fused to GroupQueryAttention (it updates "
                 "the buffer in place, bounds the window and stores fp16/int8 caches); add fusion=ort"
             )
+        check_fp8_cache_applied(source)
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         metadata = read_metadata(source.path)

@@ -17,11 +17,14 @@
 - ``paged_block_size``: the block size a paged runtime (TensorRT's) allocates the cache in;
   recorded for that runtime, unused by ONNX Runtime on CPU.
 - ``dtype``: what the cache stores: ``fp32``; ``fp16`` (half the memory); ``int8`` (a quarter)
-  with one scale per KV head and channel, calibrated here: the graph runs on
-  ``calibration`` windows and the largest ``|K|`` and ``|V|`` of every layer, head and channel
-  (``amax``) is kept in ``kv_cache_amax.npz``; ``passes/fusion/kv_cache_dtype.py`` turns them
-  into GroupQueryAttention's scales (so fp16/int8 need ``fusion=ort``). ``fp8`` is refused for
-  the ``ort-cpu`` engine: ONNX Runtime has no CPU kernel for an fp8 cache.
+  with one scale per KV head and channel; ``fp8`` (E4M3, a quarter) with one scale per KV
+  head (``fp8_scale=head``) or per tensor (``fp8_scale=tensor``, for TensorRT, which quantizes
+  activations per tensor). int8 and fp8 are calibrated here: the graph runs on ``calibration``
+  windows and the largest ``|K|`` and ``|V|`` of every layer, head and channel (``amax``) is
+  kept in ``kv_cache_amax.npz``; ``passes/fusion/kv_cache_dtype.py`` turns them into
+  GroupQueryAttention's scales (fp16/int8, so they need ``fusion=ort``) or into Q/DQ at the
+  graph's cache inputs and outputs (fp8: any fusion rule set, ``ort`` or ``tensorrt``; a concat
+  cache only, since a shared buffer has no place between past and present for a Q/DQ pair).
 
 The pass changes no node: it records the layout in the graph's metadata, which the fusion pass,
 the build (``engine.json`` ``io.kv_layout``, ``genai_config.json``
@@ -55,7 +58,15 @@ class KvDtype(enum.StrEnum):
     fp32 = "fp32"
     fp16 = "fp16"
     int8 = "int8"
-    fp8 = "fp8"  # GroupQueryAttention's schema has it; ONNX Runtime 1.32 has no CPU kernel
+    fp8 = "fp8"  # E4M3 via Q/DQ at the cache IO (GroupQueryAttention's fp8 has no CPU kernel)
+
+
+class Fp8Scale(enum.StrEnum):
+    """How many scales an fp8 cache tensor has: one per KV head, or one for the tensor (the
+    form TensorRT takes: it quantizes activations per tensor)."""
+
+    head = "head"
+    tensor = "tensor"
 
 
 # Where the int8 calibration keeps its per-layer, per-head, per-channel amax (graph folder).
@@ -75,11 +86,13 @@ class KvCacheConfig:
     _target_: str = "passes.kv_cache.KvCachePass"
     layout: Layout = Layout.concat
     dtype: KvDtype = KvDtype.fp32
+    # fp8 only: one scale per KV head (head) or per layer's K or V (tensor; for target=tensorrt).
+    fp8_scale: Fp8Scale = Fp8Scale.head
     # Sliding-window attention: tokens attend to at most this many positions (0: unbounded).
     window: int = 0
     # Block size (tokens) for a paged cache; recorded for the TensorRT runtime.
     paged_block_size: int = 0
-    # Text the int8 scales are calibrated on (unused for fp32/fp16).
+    # Text the int8/fp8 scales are calibrated on (unused for fp32/fp16).
     calibration: CalibrationConfig = field(default_factory=_kv_calibration)
 
 
@@ -103,10 +116,11 @@ class KvCachePass(Pass):
             )
         if self.config.paged_block_size < 0:
             raise PassError(f"kv_cache.paged_block_size={self.config.paged_block_size} must be >= 0")
-        if self.config.dtype == KvDtype.fp8:
+        if self.config.dtype == KvDtype.fp8 and self.config.layout == Layout.shared:
             raise PassError(
-                "kv_cache.dtype=fp8: ONNX Runtime has no CPU kernel for an fp8 cache (the ort-cpu "
-                "engine); use kv_cache.dtype=int8 for a quarter of the fp32 memory, or fp16"
+                "kv_cache.dtype=fp8 needs layout=concat: the fp8 cache is Q/DQ between past and present, "
+                "which a shared buffer updated in place has no room for (GroupQueryAttention's own fp8 "
+                "cache has no CPU kernel); use kv_cache=concat, or kv_cache.dtype=int8 with layout=shared"
             )
         self.config.calibration = as_calibration(self.config.calibration)
 
@@ -130,10 +144,12 @@ class KvCachePass(Pass):
         if self.config.layout == Layout.shared and self.config.window:
             layout["capacity"] = window_capacity(self.config.window)
         result: dict[str, Any] = {}
-        if self.config.dtype == KvDtype.int8:
+        if self.config.dtype in (KvDtype.int8, KvDtype.fp8):
             amax, tokens = calibrate_amax(source.path, self.config.calibration)
             np.savez(out_dir / AMAX_FILE, **amax)
             layout["amax_file"] = AMAX_FILE
+            if self.config.dtype == KvDtype.fp8:
+                layout["fp8_scale"] = Fp8Scale(self.config.fp8_scale).value
             layout["calibration"] = {**asdict(self.config.calibration), "tokens": tokens}
             # The manifest keeps each layer's largest amax per head (the graph keeps every channel).
             result["amax_per_head"] = {

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 from filelock import FileLock
 
-from passes.build import engine_max_length, lint_or_refuse, metadata_model_file
+from passes.build import check_fp8_cache_applied, engine_max_length, lint_or_refuse, metadata_model_file
 from pipeline.artifacts import Artifact, Kind, read_metadata, write_json, write_metadata
 from pipeline.base import Pass
 from pipeline.config import register_pass
@@ -191,10 +191,18 @@ class TensorRtBuildPass(Pass):
         if "io" not in metadata or "tokens" not in metadata:
             raise PassError(f"build: {source.path} records no IO spec in artifact.json; re-export it")
         kv = metadata.get("kv_cache", {})
-        if kv.get("layout") == "shared" or kv.get("window") or kv.get("dtype", "fp32") != "fp32":
+        if kv.get("layout") == "shared" or kv.get("window") or kv.get("dtype", "fp32") not in ("fp32", "fp8"):
             raise PassError(
-                "build: kv_cache layout/window/dtype other than concat fp32 relies on ONNX Runtime's "
+                "build: kv_cache layout/window/dtype other than concat fp32 or fp8 relies on ONNX Runtime's "
                 "GroupQueryAttention; for target=tensorrt use kv_cache=none or kv_cache=concat"
+            )
+        # An fp8 cache is explicit Q/DQ at the cache inputs and outputs, which a strongly typed
+        # network takes as FP8 I/O tensors (written against TensorRT's API, not run here).
+        check_fp8_cache_applied(source)
+        if kv.get("dtype") == "fp8" and kv.get("fp8_scale", "head") != "tensor":
+            raise PassError(
+                "build: kv_cache.fp8_scale=head puts a per-head scale on the cache, an activation; TensorRT "
+                "quantizes activations per tensor (pipeline.lint flags it): set kv_cache.fp8_scale=tensor"
             )
         lint_or_refuse(source.path / metadata_model_file(source), self.config.name)
 

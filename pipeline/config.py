@@ -114,6 +114,10 @@ class QualityConfig:
     # Tokens per window (capped by the engine's max_length) and tokens scored in all.
     window: int = 512
     max_tokens: int = 4096
+    # Tokens fed per step: a window's first chunk is a prefill and each later chunk attends to
+    # the KV cache the earlier ones stored, so a cache kept in fewer bits (kv_cache.dtype) shows
+    # in the numbers (0: the whole window in one prefill, which never reads the cache).
+    chunk: int = 128
 
 
 class Scoring(enum.StrEnum):

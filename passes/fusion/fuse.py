@@ -38,7 +38,14 @@ import numpy as np
 
 from passes.export import DATA_FILE, MODEL_FILE
 from passes.fp8 import copy_graph_folder
-from passes.fusion.kv_cache_dtype import CACHE_TYPES, IO_DTYPES, restore_fp32_cache, set_cache_dtype
+from passes.fusion.kv_cache_dtype import (
+    CACHE_TYPES,
+    IO_DTYPES,
+    QDQ_CACHE_TYPES,
+    quantize_cache_io,
+    restore_fp32_cache,
+    set_cache_dtype,
+)
 from passes.fusion.qdq import duplicate_shared_dequantize
 from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
 from pipeline.base import Pass
@@ -327,17 +334,24 @@ class FusionPass(Pass):
 
 
 def _store_cache_as(model: Any, dtype: str, kv: dict[str, Any], folder: Path, layers: int) -> None:
-    """``set_cache_dtype`` on every layer's attention, with the kv_cache pass's int8 amax."""
-    if dtype not in CACHE_TYPES:
-        raise PassError(f"fusion: kv_cache.dtype={dtype} is not one ONNX Runtime's CPU attention stores")
+    """The cache stored as ``dtype``: fp16/int8 by every layer's GroupQueryAttention
+    (``set_cache_dtype``), fp8 by Q/DQ at the graph's cache IO (``quantize_cache_io``, any
+    attention), with the kv_cache pass's calibrated amax."""
+    if dtype not in CACHE_TYPES and dtype not in QDQ_CACHE_TYPES:
+        raise PassError(f"fusion: kv_cache.dtype={dtype} is not a cache type this pass stores")
     amax = None
-    if dtype == "int8":
+    if dtype in ("int8", *QDQ_CACHE_TYPES):
         if not (folder / kv.get("amax_file", "-")).is_file():
             raise PassError(
-                f"fusion: kv_cache.dtype=int8 but {folder} holds no calibrated amax: rerun kv_cache"
+                f"fusion: kv_cache.dtype={dtype} but {folder} holds no calibrated amax: rerun kv_cache"
             )
         with np.load(folder / kv["amax_file"]) as stored:
             amax = {kind: stored[kind] for kind in stored.files}
+    if dtype in QDQ_CACHE_TYPES:
+        assert amax is not None
+        per_head = kv.get("fp8_scale", "head") == "head"
+        quantize_cache_io(model.graph, dtype, amax, model.opset_imports.get("", 0), per_head)
+        return
     changed = set_cache_dtype(model.graph, dtype, amax)
     if changed != layers:
         raise PassError(

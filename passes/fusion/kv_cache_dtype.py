@@ -12,12 +12,22 @@ or int8 instead of fp32 (ONNX Runtime's GroupQueryAttention, ``T_CACHE``; its
   kernel quantizes the new tokens it appends and dequantizes the cache it reads; a value beyond
   the calibrated range saturates.
 
-fp8 caches exist in the operator's schema but ONNX Runtime 1.32 registers no CPU kernel for
-them (measured: "Could not find an implementation"), so ``passes/kv_cache.py`` refuses fp8 for
-the ``ort-cpu`` engine.
+- ``fp8``: FP8 E4M3 (OCP 8-bit floating point spec; Micikevicius et al. 2022, "FP8 Formats for
+  Deep Learning") with one scale per KV head, ``s = amax / 448`` (or one per tensor, the form
+  TensorRT takes), as explicit Q/DQ at the cache boundary (:func:`quantize_cache_io`): each
+  ``past_key_values.*`` input is float8e4m3fn and goes through ``DequantizeLinear(past, s,
+  axis=1)`` before the attention; each ``present.*`` output is ``QuantizeLinear(present, s,
+  axis=1)``. GroupQueryAttention's own fp8 cache has no
+  CPU kernel in ONNX Runtime 1.32 (measured: "Could not find an implementation"), but its CPU
+  Q/DQ kernels take float8 (opset 19+), and explicit Q/DQ is also how TensorRT's strongly typed
+  networks take precision, so one graph serves both. The attention itself runs in fp32 on the
+  dequantized past: the cache held between steps is a quarter of fp32, the step computes as
+  before. Needs a concat cache (``passes/kv_cache.py`` refuses ``layout=shared``: an in-place
+  buffer is one tensor, so a Q/DQ pair cannot sit between its past and present).
 
-Not a pattern rule: the change is to the types of graph inputs and outputs and to attributes of
-nodes the attention rule already made, so it is a direct onnx-ir edit of those nodes.
+Not a pattern rule: the change is to the types of graph inputs and outputs, to attributes of
+nodes the attention rule already made, and to Q/DQ nodes at the graph's boundary, so it is a
+direct onnx-ir edit of those nodes.
 """
 
 from __future__ import annotations
@@ -28,16 +38,22 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from calibration.observers import FP8_E4M3
 from passes.fusion.common import add_initializer
 from pipeline.errors import PassError
 
 CACHE_TYPES = {"fp16": ir.DataType.FLOAT16, "int8": ir.DataType.INT8}
 # Our names for the cache dtypes -> the IO spec's numpy names (pipeline/runtime/ort.py).
-IO_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8"}
+IO_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8", "fp8": "float8_e4m3fn"}
+# Dtypes stored by explicit Q/DQ at the graph's cache inputs and outputs (any attention).
+QDQ_CACHE_TYPES = {"fp8": ir.DataType.FLOAT8E4M3FN}
+FP8_MIN_OPSET = 19  # DequantizeLinear / QuantizeLinear with float8 and an axis
 INT8_MAX = 127.0
 # GroupQueryAttention's inputs: past_key 3, past_value 4, k_scale 12, v_scale 13.
 _PAST_KEY, _PAST_VALUE, _K_SCALE, _V_SCALE = 3, 4, 12, 13
 _LAYER = re.compile(r"past_key_values\.(\d+)\.key$")
+_CACHE_INPUT = re.compile(r"past_key_values\.(\d+)\.(key|value)$")
+_CACHE_OUTPUT = re.compile(r"present\.(\d+)\.(key|value)$")
 
 
 def int8_scales(amax: np.ndarray) -> np.ndarray:
@@ -83,15 +99,100 @@ def set_cache_dtype(graph: ir.Graph, dtype: str, amax: dict[str, np.ndarray] | N
     return changed
 
 
+def fp8_scales(amax: np.ndarray, per_head: bool = True) -> np.ndarray:
+    """FP8 E4M3 scales from calibrated ``amax`` ``[kv_heads, head_dim]``: one per KV head, or
+    one scalar for the tensor; the largest ``|x|`` maps to 448 (a head that never fired gets
+    scale 1)."""
+    amax = np.asarray(amax, dtype=np.float32)
+    return FP8_E4M3.scale(amax.max(axis=-1) if per_head else amax.max())
+
+
+def quantize_cache_io(
+    graph: ir.Graph, dtype: str, amax: dict[str, np.ndarray], opset: int, per_head: bool = True
+) -> int:
+    """Store the cache as ``dtype`` (``fp8``) through Q/DQ at the graph's cache inputs and
+    outputs, with one scale per KV head (axis 1 of ``[batch, kv_heads, seq, head_dim]``) or
+    per tensor, from ``amax`` (``key``/``value``: ``[layers, kv_heads, head_dim]``). Returns the
+    number of cache tensors quantized (2 per layer); raises PassError when a layer's cache is
+    not graph IO."""
+    if dtype not in QDQ_CACHE_TYPES:
+        raise PassError(f"kv_cache.dtype={dtype!r}: Q/DQ caches are {', '.join(QDQ_CACHE_TYPES)}")
+    if opset < FP8_MIN_OPSET:
+        raise PassError(
+            f"kv_cache.dtype={dtype} needs export.opset >= {FP8_MIN_OPSET} (got {opset}): set "
+            f"export.opset={FP8_MIN_OPSET} or higher"
+        )
+    element = QDQ_CACHE_TYPES[dtype]
+    inputs = {m.groups(): v for v in graph.inputs if (m := _CACHE_INPUT.match(v.name or ""))}
+    outputs = {m.groups(): i for i, v in enumerate(graph.outputs) if (m := _CACHE_OUTPUT.match(v.name or ""))}
+    if not inputs or set(inputs) != set(outputs):
+        raise PassError(
+            f"kv_cache.dtype={dtype}: the graph's past_key_values.* inputs and present.* outputs do not "
+            "pair up; re-export it"
+        )
+    first = graph.node(0)
+    axis = [ir.AttrInt64("axis", 1)] if per_head else []
+    for (layer, kind), past in sorted(inputs.items()):
+        scale = fp8_scales(amax[kind][int(layer)], per_head)
+        zero = np.zeros(scale.shape, dtype=element.numpy())  # symmetric: the zero point sets the type
+        qparams = [
+            add_initializer(graph, scale, f"kv_scale.{layer}.{kind}"),
+            add_initializer(graph, zero, f"kv_zero_point.{layer}.{kind}"),
+        ]
+        users = list(past.uses())
+        dequantize = ir.Node(
+            "",
+            "DequantizeLinear",
+            inputs=[past, *qparams],
+            attributes=axis,
+            name=f"kv_dequantize.{layer}.{kind}",
+        )
+        dequantized = dequantize.outputs[0]
+        dequantized.name, dequantized.shape = f"{past.name}.dequantized", past.shape
+        dequantized.type = ir.TensorType(ir.DataType.FLOAT)
+        graph.insert_before(first, dequantize)
+        for user, slot in users:
+            user.replace_input_with(slot, dequantized)
+        past.dtype = element
+
+        index = outputs[(layer, kind)]
+        present = graph.outputs[index]
+        name = present.name
+        present.name = f"{name}.unquantized"
+        quantize = ir.Node(
+            "",
+            "QuantizeLinear",
+            inputs=[present, *qparams],
+            attributes=axis,
+            name=f"kv_quantize.{layer}.{kind}",
+        )
+        stored = quantize.outputs[0]
+        stored.name, stored.shape, stored.type = name, present.shape, ir.TensorType(element)
+        graph.append(quantize)
+        graph.outputs[index] = stored
+    return len(inputs)
+
+
 def restore_fp32_cache(model: Any) -> int:
-    """Undo ``set_cache_dtype`` on an ``onnx.ModelProto`` in place: fp32 caches, no scales, no
-    quantization attributes (the exact graph the fusion itself is judged on). Returns the
-    number of attention nodes changed."""
+    """Undo ``set_cache_dtype`` and ``quantize_cache_io`` on an ``onnx.ModelProto`` in place:
+    fp32 caches, no scales, no quantization attributes, the cache Q/DQ nodes made Identity (the
+    exact graph the fusion itself is judged on). Returns the number of nodes changed."""
     import onnx
 
     graph = model.graph
     caches: set[str] = set()
     restored = 0
+    inputs = {v.name for v in graph.input if _CACHE_INPUT.match(v.name)}
+    outputs = {v.name for v in graph.output if _CACHE_OUTPUT.match(v.name)}
+    for node in graph.node:
+        if (node.op_type == "DequantizeLinear" and node.input[0] in inputs) or (
+            node.op_type == "QuantizeLinear" and node.output[0] in outputs
+        ):
+            node.op_type = "Identity"
+            del node.input[1:]
+            del node.attribute[:]
+            caches.update((node.input[0], node.output[0]))
+            restored += 1
     for node in graph.node:
         if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
             continue

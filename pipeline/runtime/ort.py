@@ -31,7 +31,10 @@ GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 # Where ONNX Runtime's TensorRT EP keeps the engines and timing cache it builds on this machine
 # (``{cache}`` in an ort-trt engine's provider options).
 ORT_TRT_CACHE_ENV = "PIPELINE_ORT_TRT_CACHE"
-_NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "float8_e4m3fn": np.uint8}
+# Cache types numpy has no dtype for: held on the host as their raw 8-bit codes (uint8) and
+# handed to ONNX Runtime with the ONNX element type (onnx.TensorProto.FLOAT8E4M3FN = 17).
+_ONNX_ELEMENT_TYPES = {"float8_e4m3fn": 17}
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,10 @@ class IOSpec:
 
     def present_names(self) -> list[str]:
         return [f"present.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
+
+    def kv_itemsize(self) -> int:
+        """Bytes one cached key or value element takes."""
+        return np.dtype(_NP_DTYPES.get(self.kv_dtype, self.kv_dtype)).itemsize
 
 
 def session_options(threads: int = 0, optimization: str = "all") -> ort.SessionOptions:
@@ -117,15 +124,27 @@ class OrtModel:
             raise EngineError(f"ONNX Runtime cannot load {model_path} ({first_line(exc)})") from None
         self._past_names = io.past_names()
         self._present_names = io.present_names()
+        if io.kv_dtype not in _NP_DTYPES:
+            raise EngineError(
+                f"{model_path}: the engine records a {io.kv_dtype} KV cache; this runtime holds "
+                f"{', '.join(_NP_DTYPES)}: rebuild it"
+            )
         self._kv_dtype = _NP_DTYPES[io.kv_dtype]
+        self._kv_element_type = _ONNX_ELEMENT_TYPES.get(io.kv_dtype)
+
+    def _cache_value(self, array: np.ndarray) -> ort.OrtValue:
+        """An OrtValue of the cache's type from a host array (raw codes for float8)."""
+        array = np.ascontiguousarray(array, dtype=self._kv_dtype)
+        if self._kv_element_type is None:
+            return ort.OrtValue.ortvalue_from_numpy(array, self.device)
+        # numpy has no float8: ONNX Runtime takes the codes with their element type (host memory;
+        # a GPU session copies it in on the first step).
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, self._kv_element_type)
 
     def empty_cache(self, batch: int) -> list[ort.OrtValue]:
         """The cache before the first step: empty tensors, or the zeroed shared buffers."""
         shape = (batch, self.io.num_kv_heads, self.capacity, self.io.head_dim)
-        return [
-            ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self._kv_dtype), self.device)
-            for _ in self._past_names
-        ]
+        return [self._cache_value(np.zeros(shape, dtype=self._kv_dtype)) for _ in self._past_names]
 
     def step(
         self,
@@ -169,10 +188,7 @@ class OrtModel:
 
     def cache_from_arrays(self, arrays: Sequence[np.ndarray]) -> list[ort.OrtValue]:
         """A cache from numpy arrays (inverse of :meth:`cache_arrays`)."""
-        return [
-            ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=self._kv_dtype), self.device)
-            for array in arrays
-        ]
+        return [self._cache_value(array) for array in arrays]
 
     def truncate_cache(self, cache: list[ort.OrtValue], length: int) -> list[ort.OrtValue]:
         """The cache of the first ``length`` positions (speculative decoding's rollback).
@@ -186,7 +202,7 @@ class OrtModel:
                 raise EngineError("a sliding-window KV buffer cannot be rolled back for speculative decoding")
             return cache
         kept = [value.numpy()[:, :, :length].copy() for value in cache]  # not a view: see cache_arrays
-        return [ort.OrtValue.ortvalue_from_numpy(array, self.device) for array in kept]
+        return [self._cache_value(array) for array in kept]
 
 
 @dataclass

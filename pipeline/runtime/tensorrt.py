@@ -7,7 +7,8 @@ compares them with this machine before deserializing, with one line saying what 
 
 The KV cache follows the concat layout the build pass requires: ``past_key_values.*`` in,
 ``present.*`` out, kept on the GPU between steps as torch CUDA tensors (torch is already a
-dependency and its CUDA build manages device memory and streams). Each step picks the
+dependency and its CUDA build manages device memory and streams); an fp8 cache
+(``kv_cache.dtype=fp8``) is FP8 network I/O, held as ``torch.float8_e4m3fn``. Each step picks the
 optimization profile its shape falls in (``decode`` for a few new tokens, else ``prefill``),
 sets input shapes, binds addresses (``set_tensor_address``) and runs ``execute_async_v3`` on
 torch's current stream; logits come back to the host as float32.
@@ -148,18 +149,27 @@ class TrtModel:
         return logits, [bound[name] for name in self._present_names]
 
     def cache_arrays(self, cache: list[Any]) -> list[np.ndarray]:
-        """The cache as host numpy arrays (continuous batching rearranges rows there)."""
-        return [
-            value.float().cpu().numpy() if value.dtype == self._torch.bfloat16 else value.cpu().numpy()
-            for value in cache
-        ]
+        """The cache as host numpy arrays (continuous batching rearranges rows there); an fp8
+        cache as its raw codes (uint8), as the ONNX Runtime runtime keeps it."""
+        torch = self._torch
+        arrays = []
+        for value in cache:
+            if value.dtype == torch.bfloat16:
+                value = value.float()
+            elif value.dtype == torch.float8_e4m3fn:
+                value = value.view(torch.uint8)
+            arrays.append(value.cpu().numpy())
+        return arrays
 
     def cache_from_arrays(self, arrays: Any) -> list[Any]:
+        torch = self._torch
         dtypes = [self._dtypes[name] for name in self._past_names]
-        return [
-            self._torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
-            for array, dtype in zip(arrays, dtypes, strict=True)
-        ]
+        tensors = []
+        for array, dtype in zip(arrays, dtypes, strict=True):
+            tensor = torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+            # fp8 arrives as raw codes: reinterpret, never convert the numbers
+            tensors.append(tensor.view(dtype) if dtype == torch.float8_e4m3fn else tensor.to(dtype))
+        return tensors
 
     def truncate_cache(self, cache: list[Any], length: int) -> list[Any]:
         """The cache of the first ``length`` positions (speculative decoding's rollback)."""
@@ -174,6 +184,7 @@ def _torch_dtype(torch: Any, trt: Any, dtype: Any) -> Any:
         trt.DataType.INT32: torch.int32,
         trt.DataType.INT64: torch.int64,
         trt.DataType.INT8: torch.int8,
+        trt.DataType.FP8: torch.float8_e4m3fn,  # an fp8 KV cache (kv_cache.dtype=fp8)
         trt.DataType.BOOL: torch.bool,
     }
     if dtype not in table:

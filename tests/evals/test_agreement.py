@@ -77,3 +77,44 @@ def test_kl_and_agreement_against_another_model(
 def test_unknown_text_is_refused(tiny_engine: Artifact) -> None:
     with pytest.raises(EngineError, match=r"quality\.text='wiki' is unknown"):
         held_out_windows(Engine(tiny_engine.path), QualityConfig(text="wiki"))
+
+
+def _fused_engine(graph: Artifact, out: Path, **kv: object) -> Engine:
+    from passes.fusion.fuse import FusionPass
+    from passes.kv_cache import KvCachePass
+
+    for name in ("kv", "fused", "engine"):
+        (out / name).mkdir(parents=True)
+    KvCachePass(**kv, calibration={"num_samples": 4, "seq_len": 64}).run(graph, out / "kv")
+    FusionPass().run(Artifact.from_dir(Kind.GRAPH, out / "kv"), out / "fused")
+    OrtCpuBuildPass(max_length=256).run(Artifact.from_dir(Kind.GRAPH, out / "fused"), out / "engine")
+    return Engine(out / "engine")
+
+
+@pytest.mark.parametrize("layout", ["concat", "shared"])
+def test_chunks_read_the_cache_and_score_what_one_prefill_scores(
+    tiny_graph: Artifact, tiny_engine: Artifact, tmp_path: Path, layout: str
+) -> None:
+    """Fed 16 tokens a step, an fp32 engine (unfused, and fused with either cache layout) scores
+    what one prefill scores; an fp8 cache, invisible to one prefill (nothing reads the cache),
+    shows as KL once the chunks read it."""
+    reference = Engine(tiny_engine.path)
+    fused = _fused_engine(tiny_graph, tmp_path / "fp32", layout=layout)
+    for engine in (reference, fused):
+        prefill, chunked = (
+            compare(engine, None, QualityConfig(window=64, max_tokens=256, chunk=c)) for c in (0, 16)
+        )
+        assert chunked["perplexity"] == pytest.approx(prefill["perplexity"], rel=1e-4)
+    if layout == "shared":
+        return
+    fp8 = _fused_engine(tiny_graph, tmp_path / "fp8", dtype="fp8")
+    blind, seen = (
+        compare(fp8, reference, QualityConfig(window=64, max_tokens=256, chunk=c))["kl_mean"] for c in (0, 16)
+    )
+    assert blind == 0.0 < seen  # kl_mean is rounded to 1e-6: the tiny model's fp8 KL is ~1e-6
+
+
+def test_a_negative_chunk_is_refused(tiny_engine: Artifact) -> None:
+    engine = Engine(tiny_engine.path)
+    with pytest.raises(EngineError, match=r"quality\.chunk=-1"):
+        compare(engine, None, QualityConfig(chunk=-1))

@@ -249,6 +249,38 @@ def test_tensorrt_engine_generates_the_cpu_greedy_tokens(trt_engine: Artifact, t
 
 
 @needs_gpu
+def test_tensorrt_engine_with_an_fp8_cache_decodes_like_ort_cpu(tiny_graph: Artifact, tmp_path: Path) -> None:
+    """kv_cache.dtype=fp8 for TensorRT: the cache is FP8 network I/O behind per-tensor Q/DQ. The
+    same graph's ORT CPU engine is the reference (both round the cache to the same E4M3 codes)."""
+    from passes.build import OrtCpuBuildPass
+    from pipeline.runtime import Engine, GenerationConfig
+
+    calibration = {"num_samples": 4, "seq_len": 64}
+    (tmp_path / "kv").mkdir()
+    KvCachePass(dtype="fp8", fp8_scale="tensor", calibration=calibration).run(tiny_graph, tmp_path / "kv")
+    (tmp_path / "fused").mkdir()
+    rules = ["onnx_rms_norm", "onnx_rotary_embedding"]
+    FusionPass(rules=rules).run(Artifact.from_dir(Kind.GRAPH, tmp_path / "kv"), tmp_path / "fused")
+    graph = Artifact.from_dir(Kind.GRAPH, tmp_path / "fused")
+    engines = []
+    for name, step in (
+        (
+            "trt",
+            TensorRtBuildPass(max_input_length=128, max_length=256, timing_cache_dir=str(tmp_path / "t")),
+        ),
+        ("cpu", OrtCpuBuildPass(max_length=256)),
+    ):
+        step.requires(graph)
+        (tmp_path / name).mkdir()
+        step.run(graph, tmp_path / name)
+        engines.append(Engine(tmp_path / name))
+    assert str(engines[0].model.empty_cache(1)[0].dtype) == "torch.float8_e4m3fn"
+    config = GenerationConfig(max_new_tokens=12, stop_at_eos=False)
+    ours, reference = (e.generate_ids([[7, 8, 9, 10, 11]], config).tokens[0] for e in engines)
+    assert sum(a == b for a, b in zip(ours, reference, strict=True)) >= 10
+
+
+@needs_gpu
 def test_second_build_reuses_the_timing_cache(
     tiny_graph: Artifact, trt_engine: Artifact, tmp_path: Path
 ) -> None:

@@ -127,7 +127,7 @@ def test_cache_disabled_leaves_no_cache(tiny_llama: Path, tmp_path: Path) -> Non
     [
         ("model.path=/nonexistent/llama", "/nonexistent/llama does not exist"),
         ("model.path=/etc", "config.json is missing"),
-        ("kv_cache=concat kv_cache.dtype=fp8", "no CPU kernel for an fp8 cache"),  # refused by the pass
+        ("kv_cache=shared kv_cache.dtype=fp8", "fp8 needs layout=concat"),  # refused by the pass
     ],
 )
 def test_user_mistake_is_one_line_and_exit_code_2(tmp_path: Path, model_override: str, needle: str) -> None:
