@@ -140,17 +140,9 @@ def quantize_cache_io(
             add_initializer(graph, zero, f"kv_zero_point.{layer}.{kind}"),
         ]
         users = list(past.uses())
-        dequantize = ir.Node(
-            "",
-            "DequantizeLinear",
-            inputs=[past, *qparams],
-            attributes=axis,
-            name=f"kv_dequantize.{layer}.{kind}",
-        )
-        dequantized = dequantize.outputs[0]
-        dequantized.name, dequantized.shape = f"{past.name}.dequantized", past.shape
-        dequantized.type = ir.TensorType(ir.DataType.FLOAT)
+        dequantize = _qdq("DequantizeLinear", past, qparams, axis, f"kv_dequantize.{layer}.{kind}")
         graph.insert_before(first, dequantize)
+        dequantized = _name_output(dequantize, f"{past.name}.dequantized", past, ir.DataType.FLOAT)
         for user, slot in users:
             user.replace_input_with(slot, dequantized)
         past.dtype = element
@@ -159,18 +151,21 @@ def quantize_cache_io(
         present = graph.outputs[index]
         name = present.name
         present.name = f"{name}.unquantized"
-        quantize = ir.Node(
-            "",
-            "QuantizeLinear",
-            inputs=[present, *qparams],
-            attributes=axis,
-            name=f"kv_quantize.{layer}.{kind}",
-        )
-        stored = quantize.outputs[0]
-        stored.name, stored.shape, stored.type = name, present.shape, ir.TensorType(element)
+        quantize = _qdq("QuantizeLinear", present, qparams, axis, f"kv_quantize.{layer}.{kind}")
         graph.append(quantize)
-        graph.outputs[index] = stored
+        graph.outputs[index] = _name_output(quantize, name, present, element)
     return len(inputs)
+
+
+def _qdq(op: str, value: ir.Value, qparams: list[ir.Value], axis: list[Any], name: str) -> ir.Node:
+    return ir.Node("", op, inputs=[value, *qparams], attributes=axis, name=name)
+
+
+def _name_output(node: ir.Node, name: str, like: ir.Value, dtype: ir.DataType) -> ir.Value:
+    """``node``'s output named ``name``, with ``like``'s shape and element type ``dtype``."""
+    output = node.outputs[0]
+    output.name, output.shape, output.type = name, like.shape, ir.TensorType(dtype)
+    return output
 
 
 def restore_fp32_cache(model: Any) -> int:
