@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from passes.fusion.kv_cache_dtype import CACHE_TYPES as GQA_CACHE_TYPES
 from pipeline.artifacts import Artifact, Kind, read_metadata, write_json, write_metadata
 from pipeline.base import Pass
 from pipeline.config import register_pass
@@ -193,7 +194,7 @@ class OrtCpuBuildPass(Pass):
             for option, asked in (
                 ("kv_cache=shared", kv.get("layout") == "shared"),
                 (f"kv_cache.window={kv.get('window')}", bool(kv.get("window"))),
-                (f"kv_cache.dtype={kv.get('dtype')}", kv.get("dtype", "fp32") not in ("fp32", "fp8")),
+                (f"kv_cache.dtype={kv.get('dtype')}", kv.get("dtype") in GQA_CACHE_TYPES),
             )
             if asked
         ]

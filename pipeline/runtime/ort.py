@@ -71,7 +71,7 @@ class IOSpec:
 
     def kv_itemsize(self) -> int:
         """Bytes one cached key or value element takes."""
-        return np.dtype(_NP_DTYPES.get(self.kv_dtype, self.kv_dtype)).itemsize
+        return np.dtype(_NP_DTYPES[self.kv_dtype]).itemsize
 
 
 def session_options(threads: int = 0, optimization: str = "all") -> ort.SessionOptions:
