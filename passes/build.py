@@ -178,6 +178,20 @@ def metadata_model_file(source: Artifact) -> str:
     return str(source.metadata.get("model_file", "model.onnx"))
 
 
+def gqa_cache_options(kv: dict[str, Any]) -> list[str]:
+    """The recorded ``kv_cache`` options that only ONNX Runtime's GroupQueryAttention implements
+    (in-place buffer, window bound, fp16/int8 storage), spelled as the user sets them."""
+    return [
+        option
+        for option, asked in (
+            ("kv_cache=shared", kv.get("layout") == "shared"),
+            (f"kv_cache.window={kv.get('window')}", bool(kv.get("window"))),
+            (f"kv_cache.dtype={kv.get('dtype')}", kv.get("dtype") in GQA_CACHE_TYPES),
+        )
+        if asked
+    ]
+
+
 class OrtCpuBuildPass(Pass):
     Config = OrtCpuTargetConfig
     name = "build"
@@ -188,16 +202,7 @@ class OrtCpuBuildPass(Pass):
     def requires(self, source: Artifact) -> None:
         if "io" not in source.metadata or "tokens" not in source.metadata:
             raise PassError(f"build: {source.path} records no IO spec in artifact.json; re-run export")
-        kv = source.metadata.get("kv_cache", {})
-        wanted = [
-            option
-            for option, asked in (
-                ("kv_cache=shared", kv.get("layout") == "shared"),
-                (f"kv_cache.window={kv.get('window')}", bool(kv.get("window"))),
-                (f"kv_cache.dtype={kv.get('dtype')}", kv.get("dtype") in GQA_CACHE_TYPES),
-            )
-            if asked
-        ]
+        wanted = gqa_cache_options(source.metadata.get("kv_cache", {}))
         if wanted and "GroupQueryAttention" not in graph_ops(source.path / metadata_model_file(source)):
             raise PassError(
                 f"build: {', '.join(wanted)} needs the attention fused to GroupQueryAttention (it updates "

@@ -43,8 +43,13 @@ from typing import Any
 import numpy as np
 from filelock import FileLock
 
-from passes.build import check_fp8_cache_applied, engine_max_length, lint_or_refuse, metadata_model_file
-from passes.fusion.kv_cache_dtype import CACHE_TYPES as GQA_CACHE_TYPES
+from passes.build import (
+    check_fp8_cache_applied,
+    engine_max_length,
+    gqa_cache_options,
+    lint_or_refuse,
+    metadata_model_file,
+)
 from pipeline.artifacts import Artifact, Kind, read_metadata, write_json, write_metadata
 from pipeline.base import Pass
 from pipeline.config import register_pass
@@ -192,7 +197,7 @@ class TensorRtBuildPass(Pass):
         if "io" not in metadata or "tokens" not in metadata:
             raise PassError(f"build: {source.path} records no IO spec in artifact.json; re-export it")
         kv = metadata.get("kv_cache", {})
-        if kv.get("layout") == "shared" or kv.get("window") or kv.get("dtype") in GQA_CACHE_TYPES:
+        if gqa_cache_options(kv):
             raise PassError(
                 "build: kv_cache layout/window/dtype other than concat fp32 or fp8 relies on ONNX Runtime's "
                 "GroupQueryAttention; for target=tensorrt use kv_cache=none or kv_cache=concat"
