@@ -46,6 +46,10 @@ class PipelineSettings:
     cache: bool = True
     cache_dir: str = "artifacts/cache"
     models_dir: str = "artifacts/models"
+    # Staging folders (cache entries, engine copies, conversions) are removed by later runs when
+    # their owner's lock is free (pipeline/staging.py); on storage whose locks do not reach every
+    # host, also when older than this many hours (null: by lock only).
+    staging_max_age_h: float | None = None
     # Top-level config keys whose selected passes run, in this order.
     order: list[str] = field(default_factory=lambda: list(STAGE_ORDER))
 
