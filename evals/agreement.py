@@ -61,10 +61,6 @@ def _logits(engine: Engine, window: np.ndarray, chunk: int) -> np.ndarray:
 
 def compare(candidate: Engine, reference: Engine | None, config: QualityConfig) -> dict[str, Any]:
     """Score ``candidate`` (and ``reference``, unless None: the candidate is the reference)."""
-    if config.chunk < 0:
-        raise EngineError(
-            f"quality.chunk={config.chunk}: use a positive number of tokens, or 0 for one prefill"
-        )
     windows = held_out_windows(candidate, config)
     nll_candidate: list[float] = []
     nll_reference: list[float] = []

@@ -16,13 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from evals.stats import GateThresholds, compare_suite, verdict
+from pipeline.cache import load_record, write_record
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +109,17 @@ def cached_scores(
     settings = suite_settings(settings, suite)
     key = json.dumps({"engine": digest, "suite": suite, "settings": settings}, sort_keys=True, default=str)
     path = cache_dir / "eval" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
-    if path.is_file():
-        log.info("eval: %s scores of %s from the cache", suite, digest[:12])
-        return [ItemScore(**entry) for entry in json.loads(path.read_text())["items"]]
+    record = load_record(path)  # None when absent; a broken record is removed and rescored
+    if record is not None and isinstance(record.get("items"), list):
+        try:
+            scores = [ItemScore(**entry) for entry in record["items"]]
+        except TypeError as exc:
+            log.warning("eval: cached scores %s do not fit (%s); scoring again", path.name, exc)
+        else:
+            log.info("eval: %s scores of %s from the cache", suite, digest[:12])
+            return scores
     scores = score_fn(engine, suite)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"key": json.loads(key), "items": [asdict(s) for s in scores]}))
-    os.replace(tmp, path)  # whole or absent
+    write_record(cache_dir, path, {"key": json.loads(key), "items": [asdict(s) for s in scores]})
     return scores
 
 

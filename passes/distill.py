@@ -19,10 +19,16 @@ teacher before and after.
 
 The teacher is the checkpoint the prune pass started from (its path and digest are in the
 student's metadata; the digest is checked). Every ``checkpoint_every`` steps the student,
-optimizer, schedule, data order and loss history are saved to the pass's checkpoint folder (kept
-by the pass manager across interrupted runs), so a killed run resumes at the step it reached and
-ends with the same weights as an uninterrupted one. Defaults fit the 2-core CPU: see
-``configs/distill/kd.yaml`` for the measured budget.
+optimizer, schedule, torch RNG, data order and loss history are saved to the pass's checkpoint
+folder (kept by the pass manager across interrupted runs), so a killed run resumes at the step it
+reached and ends with the same weights as an uninterrupted one. A checkpoint is a folder
+``step-NNNNNN`` of safetensors (the student's tensors; AdamW's ``exp_avg``/``exp_avg_sq``/``step``
+per parameter and the RNG state) and ``state.json`` (hyperparameters, schedule, data order, loss
+curve): no pickle, so a checkpoint folder can never run code. It is written in a staging folder
+owned by a lock and renamed into place when complete; the last ``KEEP_CHECKPOINTS`` are kept, and a
+checkpoint that cannot be read back (truncated, bad JSON, other tensor names or shapes) is
+discarded with a warning and the run resumes from the one before (or from the start).
+Defaults fit the 2-core CPU: see ``configs/distill/kd.yaml`` for the measured budget.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import json
 import logging
 import math
 import os
+import re
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -44,11 +52,20 @@ from pipeline.artifacts import Artifact, Kind, folder_digest, sha256_file, write
 from pipeline.base import Pass
 from pipeline.config import register_pass
 from pipeline.errors import PassError
+from pipeline.staging import owned_folder, remove_abandoned, unique_name
 
 log = logging.getLogger(__name__)
 
 HOLDOUT = 8  # windows never trained on: perplexity and KL vs the teacher, before and after
-CHECKPOINT_FILE = "distill_state.pt"
+CHECKPOINT_PREFIX = "step-"  # step-000020: the checkpoint after 20 steps
+CHECKPOINT_NAME = re.compile(r"step-(\d{6,})")
+KEEP_CHECKPOINTS = 2  # the newest and the one before, to fall back on if the newest is unreadable
+STATE_FILE = "state.json"
+STUDENT_FILE = "student.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+CHECKPOINT_FORMAT = 1
+RNG_TENSOR = "rng.torch"
+LEGACY_CHECKPOINT = "distill_state.pt"  # a pickle written by earlier versions: removed, never loaded
 CURVE_EVERY = 5  # steps between points of the loss curve kept in the record
 PRECISIONS = ("bf16", "fp32")
 
@@ -206,7 +223,7 @@ class DistillPass(Pass):
             optimizer, lambda s: learning_rate(s, config) / config.lr
         )
         state = {"step": 0, "curve": [], "epoch_orders": []}
-        resumed_from = self._resume(student, optimizer, schedule, state)
+        resumed_from = self._resume(student, optimizer, schedule, state, len(train))
         rng = np.random.default_rng(config.seed)
         for _ in range(len(state["epoch_orders"])):
             rng.permutation(len(train))  # the same data order as the uninterrupted run
@@ -287,37 +304,216 @@ class DistillPass(Pass):
         return loss
 
     def _save(self, student: Any, optimizer: Any, schedule: Any, state: dict[str, Any]) -> None:
-        import torch
-
+        """Write the checkpoint of ``state["step"]`` (staged, then renamed) and drop older ones."""
         if self.checkpoint_dir is None:
             return
-        payload = {
+        import torch
+        from safetensors.torch import save_file
+
+        tensors, aliases = _unique_tensors(student.state_dict())
+        optimizer_tensors, optimizer_meta = _split_optimizer(optimizer.state_dict())
+        optimizer_tensors[RNG_TENSOR] = torch.get_rng_state()
+        meta = {
+            "format": CHECKPOINT_FORMAT,
             "config": asdict(self.config),
             "state": state,
-            "student": student.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "aliases": aliases,
+            "optimizer": optimizer_meta,
             "schedule": schedule.state_dict(),
         }
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        path = self.checkpoint_dir / CHECKPOINT_FILE
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
+        root = self.checkpoint_dir
+        name = f"{CHECKPOINT_PREFIX}{state['step']:06d}"
+        with owned_folder(root / unique_name("." + name)) as staging:
+            save_file(tensors, str(staging / STUDENT_FILE))
+            save_file(optimizer_tensors, str(staging / OPTIMIZER_FILE))
+            (staging / STATE_FILE).write_text(json.dumps(meta))
+            for file in (STUDENT_FILE, OPTIMIZER_FILE, STATE_FILE):
+                _fsync(staging / file)
+            final = root / name
+            if final.exists():  # this step again, after an unreadable later checkpoint was dropped
+                shutil.rmtree(final, ignore_errors=True)
+            try:
+                os.rename(staging, final)
+            except OSError:
+                if not final.is_dir():
+                    raise
+                # Another job on this key wrote the same step meanwhile: keep its (equal) one.
+        _fsync(root)
+        for old in _checkpoints(root)[KEEP_CHECKPOINTS:]:
+            shutil.rmtree(old, ignore_errors=True)
         log.info("distill: checkpoint at step %d", state["step"])
 
-    def _resume(self, student: Any, optimizer: Any, schedule: Any, state: dict[str, Any]) -> int:
-        """Load the last checkpoint of this pass (same input and config), if any; its step."""
+    def _resume(
+        self, student: Any, optimizer: Any, schedule: Any, state: dict[str, Any], train_size: int
+    ) -> int:
+        """Load the newest readable checkpoint of this pass (same input and config), if any; its
+        step. Unreadable ones are discarded with a warning. ``train_size``: training windows."""
         import torch
 
-        path = self.checkpoint_dir / CHECKPOINT_FILE if self.checkpoint_dir else None
-        if path is None or not path.is_file():
+        root = self.checkpoint_dir
+        if root is None or not root.is_dir():
             return 0
-        payload = torch.load(path, weights_only=False)
-        if payload["config"] != asdict(self.config):
-            return 0
-        student.load_state_dict(payload["student"])
-        optimizer.load_state_dict(payload["optimizer"])
-        schedule.load_state_dict(payload["schedule"])
-        state.update(payload["state"])
-        log.info("distill: resuming at step %d of %d", state["step"], self.config.steps)
-        return int(state["step"])
+        remove_abandoned(root, "." + CHECKPOINT_PREFIX)  # staging a killed run left behind
+        legacy = root / LEGACY_CHECKPOINT
+        if legacy.exists():
+            log.warning("distill: removing %s (a pickle of an earlier version; never loaded)", legacy)
+            legacy.unlink()
+        for path in _checkpoints(root):
+            try:
+                loaded = self._read_checkpoint(path, student, optimizer, train_size)
+            except Exception as exc:  # a damaged checkpoint raises anything; nothing was applied yet
+                reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+                log.warning(
+                    "distill: discarding checkpoint %s (%s); trying an earlier one", path.name, reason
+                )
+                shutil.rmtree(path, ignore_errors=True)
+                continue
+            weights, optimizer_state, schedule_state, rng, saved = loaded
+            try:
+                student.load_state_dict(weights, strict=True)
+                optimizer.load_state_dict(optimizer_state)
+                schedule.load_state_dict(schedule_state)
+                torch.set_rng_state(rng)
+            except Exception:
+                shutil.rmtree(path, ignore_errors=True)  # never block every rerun on it
+                raise
+            state.update(saved)
+            log.info("distill: resuming at step %d of %d", state["step"], self.config.steps)
+            return int(state["step"])
+        return 0
+
+    def _read_checkpoint(
+        self, path: Path, student: Any, optimizer: Any, train_size: int
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], Any, dict[str, Any]]:
+        """Read and check a checkpoint without applying it: (student weights, optimizer state
+        dict, schedule state dict, RNG state, training state). Raises on anything amiss."""
+        import torch
+        from safetensors.torch import load_file
+
+        meta = json.loads((path / STATE_FILE).read_text())
+        if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{STATE_FILE} is not a format-{CHECKPOINT_FORMAT} checkpoint record")
+        if meta["config"] != json.loads(json.dumps(asdict(self.config))):
+            raise ValueError("it was written with another distill config")
+        saved = meta["state"]
+        step = saved["step"]
+        if not (isinstance(step, int) and 0 < step < self.config.steps):
+            raise ValueError(f"step {step!r} is out of range")
+        if not (isinstance(saved["curve"], list) and isinstance(saved["epoch_orders"], list)):
+            raise ValueError("the loss curve or data order is not a list")
+        every = list(range(train_size))
+        if any(not isinstance(order, list) or sorted(order) != every for order in saved["epoch_orders"]):
+            raise ValueError(f"the data order is not a permutation of the {train_size} training windows")
+        if len(saved["epoch_orders"]) * train_size < step * self.config.batch_size:
+            raise ValueError("the data order is shorter than the steps taken")
+
+        stored = load_file(str(path / STUDENT_FILE))
+        weights = dict(stored)
+        for name, original in meta["aliases"].items():
+            weights[name] = stored[original]
+        expected = student.state_dict()
+        if set(weights) != set(expected):
+            differ = sorted(set(weights) ^ set(expected))
+            raise ValueError(f"the student's tensor names differ ({', '.join(differ[:3])}, ...)")
+        for name, tensor in expected.items():
+            if weights[name].shape != tensor.shape or weights[name].dtype != tensor.dtype:
+                raise ValueError(
+                    f"{name} is {weights[name].dtype} {tuple(weights[name].shape)}, the student's "
+                    f"{tensor.dtype} {tuple(tensor.shape)}"
+                )
+
+        optimizer_tensors = load_file(str(path / OPTIMIZER_FILE))
+        rng = optimizer_tensors.pop(RNG_TENSOR)
+        current = torch.get_rng_state()
+        if rng.dtype != current.dtype or rng.shape != current.shape:
+            raise ValueError("the RNG state has another shape")
+        optimizer_state = _join_optimizer(optimizer_tensors, meta["optimizer"], optimizer)
+        schedule_state = meta["schedule"]
+        if not isinstance(schedule_state, dict) or schedule_state.get("last_epoch") != step:
+            raise ValueError("the schedule state does not match the step")
+        return weights, optimizer_state, schedule_state, rng, saved
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoint folders under ``root``, newest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_NAME.fullmatch(p.name))]
+    return [path for _, path in sorted(found, reverse=True) if path.is_dir()]
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file (or a folder's entries) to storage, so a rename never outlives its data."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on folders
+        pass
+    finally:
+        os.close(fd)
+
+
+def _unique_tensors(weights: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(tensors to store, {name: stored name} of tensors that are the same tensor as a stored one,
+    such as tied embeddings): safetensors stores each storage once."""
+    tensors: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
+    for name, tensor in weights.items():
+        identity = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            str(tensor.dtype),
+        )
+        if identity in seen:
+            aliases[name] = seen[identity]
+        else:
+            seen[identity] = name
+            tensors[name] = tensor.detach().contiguous()
+    return tensors, aliases
+
+
+def _split_optimizer(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An optimizer state dict as (tensors ``state.<param>.<name>``, JSON-able rest)."""
+    import torch
+
+    tensors: dict[str, Any] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, values in state_dict["state"].items():
+        for name, value in values.items():
+            if torch.is_tensor(value):
+                tensors[f"state.{index}.{name}"] = value.detach().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[name] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def _join_optimizer(tensors: dict[str, Any], meta: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+    """The optimizer state dict from a checkpoint's parts, checked against ``optimizer``."""
+    current = optimizer.state_dict()["param_groups"]
+    groups = meta["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(current):
+        raise ValueError("the optimizer has another number of parameter groups")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for saved, mine in zip(groups, current, strict=True):
+        if not isinstance(saved, dict) or saved.get("params") != mine["params"]:
+            raise ValueError("the optimizer's parameter groups differ")
+        if isinstance(saved.get("betas"), list):
+            saved["betas"] = tuple(saved["betas"])
+    state: dict[int, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        kind, index_text, name = key.split(".", 2)
+        index = int(index_text)
+        if kind != "state" or not 0 <= index < len(params):
+            raise ValueError(f"unexpected optimizer tensor {key}")
+        if name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") and tensor.shape != params[index].shape:
+            raise ValueError(f"optimizer tensor {key} has shape {tuple(tensor.shape)}")
+        state.setdefault(index, {})[name] = tensor
+    for index_text, values in meta["scalars"].items():
+        state.setdefault(int(index_text), {}).update(values)
+    for index, values in state.items():
+        if not 0 <= index < len(params) or not {"exp_avg", "exp_avg_sq", "step"} <= set(values):
+            raise ValueError(f"the optimizer state of parameter {index} is incomplete")
+    return {"state": state, "param_groups": groups}

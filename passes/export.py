@@ -59,6 +59,9 @@ class Attention(enum.StrEnum):
     sdpa = "sdpa"
 
 
+MIN_OPSET, MAX_OPSET = 18, 23
+
+
 @dataclass
 class ExportConfig:
     """ONNX export settings."""
@@ -76,6 +79,16 @@ class ExportConfig:
     parity_prompt: str = "The quick brown fox jumps over the lazy dog. Once upon a time, there was"
     # The pass fails when ONNX Runtime's greedy token differs from torch's on more positions.
     min_top1_agreement: float = 0.99
+
+    def __post_init__(self) -> None:
+        # torch's ONNX exporter writes opset 18 and up; ONNX Runtime 1.32 runs up to 23.
+        if not MIN_OPSET <= self.opset <= MAX_OPSET:
+            raise PassError(
+                f"export.opset={self.opset}: choose an opset from {MIN_OPSET} to {MAX_OPSET} "
+                f"(default {ExportConfig.opset})"
+            )
+        if not 0 <= self.min_top1_agreement <= 1:
+            raise PassError(f"export.min_top1_agreement={self.min_top1_agreement}: must be from 0 to 1")
 
 
 register_pass("export", "onnx", ExportConfig)

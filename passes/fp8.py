@@ -205,7 +205,7 @@ class CalibratePass(Pass):
         model_file = source.path / metadata.get("model_file", "model.onnx")
         graph = onnx.load(str(model_file), load_external_data=False).graph
         labels = activation_labels(graph, metadata["linear_weights"])
-        tokenizer = AutoTokenizer.from_pretrained(source.path)
+        tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
         windows = token_windows(tokenizer, self.config.calibration)
         feeds = calibration_feeds(windows, graph_io(source.path))
         stats = collect_stats(
@@ -463,7 +463,7 @@ def compare_graphs(reference: Path, candidate: Path, prompt: str) -> dict[str, A
     """Logits of two graph folders on ``prompt`` (prefill): top-1 agreement, max |diff|, finiteness."""
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(reference)(prompt)["input_ids"]
+    ids = AutoTokenizer.from_pretrained(reference, trust_remote_code=False)(prompt)["input_ids"]
     tokens = np.array([ids], dtype=np.int64)
     mask, positions = np.ones_like(tokens), np.arange(tokens.shape[1], dtype=np.int64)[None]
     logits = []

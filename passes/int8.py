@@ -317,7 +317,8 @@ def compare_graphs(reference: Path, candidate: Path, prompt: str) -> dict[str, A
     top-1 agreement, max |difference|, finiteness of the candidate's."""
     from transformers import AutoTokenizer
 
-    ids = np.array([AutoTokenizer.from_pretrained(reference)(prompt)["input_ids"]], dtype=np.int64)
+    tokenizer = AutoTokenizer.from_pretrained(reference, trust_remote_code=False)
+    ids = np.array([tokenizer(prompt)["input_ids"]], dtype=np.int64)
     mask, positions = np.ones_like(ids), np.arange(ids.shape[1], dtype=np.int64)[None]
     logits = []
     for folder in (reference, candidate):

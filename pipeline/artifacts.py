@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,17 +51,32 @@ def file_digests(folder: Path) -> dict[str, str]:
 
 def folder_digest(folder: Path) -> str:
     """Content digest of a folder: names and contents of all files, independent of mtimes."""
+    return digest_of(file_digests(folder))
+
+
+def digest_of(file_hashes: dict[str, str]) -> str:
+    """The :func:`folder_digest` of a folder whose files (POSIX relative path -> sha256) are known."""
     digest = hashlib.sha256()
-    for rel, file_hash in sorted(file_digests(folder).items()):
+    for rel, file_hash in sorted(file_hashes.items()):
         digest.update(f"{rel}\0{file_hash}\n".encode())
     return digest.hexdigest()
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON via a temporary file and an atomic rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+def write_json(path: Path, data: Any, staging: Path | None = None) -> None:
+    """Write JSON via a temporary file and an atomic rename; the temporary file is removed on any
+    failure or interrupt (a full disk, Ctrl-C, SIGTERM). It lies beside ``path`` (named
+    ``.<name>.<pid>.<random>.tmp``: unique across hosts sharing the folder), or in ``staging``,
+    a lock-owned folder on the same file system (``pipeline.staging.owned_folder``), whose
+    remains after a SIGKILL the next run removes."""
+    text = json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
+    folder = staging if staging is not None else path.parent
+    tmp = folder / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_metadata(folder: Path, kind: Kind, metadata: dict[str, Any]) -> None:

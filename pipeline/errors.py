@@ -1,8 +1,22 @@
-"""Errors a user can cause. The entry point prints them as one line and exits with code 2."""
+"""Errors a user can cause. The entry point prints them as one line and exits with code 2
+(OS errors: one line and code 1)."""
+
+from __future__ import annotations
+
+import errno
 
 
 class PipelineError(Exception):
     """A user-facing error: the message names the bad input and the fix."""
+
+    exit_code = 2  # a user mistake
+
+
+class StorageError(PipelineError):
+    """The operating system refused a write (disk full, read-only folder, permission denied): the
+    message names the path and what was being written; exit code 1, not the user's input."""
+
+    exit_code = 1
 
 
 class ConfigError(PipelineError):
@@ -29,3 +43,37 @@ def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (library messages can span many lines)."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def one_line(text: str) -> str:
+    """A message as one line: its non-blank lines joined with "; " (for ``error:`` lines and
+    the ``job_status.json`` of a multirun job)."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    joined = lines[0] if lines else ""
+    for line in lines[1:]:
+        joined += (" " if joined.endswith((".", ":", ";", ",", "?", "!")) else "; ") + line
+    return joined
+
+
+# errno -> the fix, for the OS errors a user fixes (not a bug in the pipeline).
+OS_ERROR_FIXES = {
+    errno.ENOSPC: "disk full: free space there or write elsewhere",
+    errno.EDQUOT: "quota exceeded: free space there or write elsewhere",
+    errno.EROFS: "the file system is read-only: choose a writable folder",
+    errno.EACCES: "choose a folder you may write to, or make it writable for this user",
+    errno.EPERM: "choose a folder you may write to, or make it writable for this user",
+    errno.EFBIG: "the file size limit (ulimit -f) is too low",
+}
+
+
+def describe_os_error(exc: OSError) -> str:
+    """``cannot write <path>: <reason>`` for an OS error (disk full, read-only or missing folder,
+    permission denied), with what was being done when the raiser added a note (``add_note``)."""
+    reason = exc.strerror or type(exc).__name__
+    if exc.errno in OS_ERROR_FIXES:
+        reason = f"{reason} ({OS_ERROR_FIXES[exc.errno]})"
+    target = "cannot write" if exc.filename is None else f"cannot write {exc.filename}"
+    if exc.filename2 is not None:
+        target += f" (to {exc.filename2})"
+    context = "; ".join(one_line(note) for note in getattr(exc, "__notes__", []) if str(note).strip())
+    return one_line(f"{target}: {reason}" + (f" ({context})" if context else ""))

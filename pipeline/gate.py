@@ -20,9 +20,10 @@ from typing import Any, NoReturn
 
 from omegaconf import OmegaConf
 
-from pipeline.artifacts import Artifact, Kind, sha256_file
+from pipeline.artifacts import Artifact, Kind, digest_of, sha256_file, write_json
 from pipeline.config import EvalConfig, QualityConfig
-from pipeline.errors import EngineError, PipelineError
+from pipeline.errors import EngineError, PipelineError, describe_os_error, first_line
+from pipeline.signals import exit_code, interrupt_on_sigterm
 
 GATE_FAILED = 3  # distinct from a user mistake's 2
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "eval"
@@ -94,25 +95,42 @@ def score_fn(config: EvalConfig) -> Callable[[Path, str], list[Any]]:
 # The standalone CLI
 
 
+def eval_options() -> list[str]:
+    """The ``--eval`` choices: the configs in ``configs/eval`` but ``none``."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "none")
+
+
 def load_eval_config(size: str, overrides: list[str]) -> EvalConfig:
-    """``configs/eval/<size>.yaml`` with ``key=value`` overrides, checked against EvalConfig."""
-    path = CONFIG_DIR / f"{size}.yaml"
-    if not path.is_file() or size == "none":
-        options = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "none")
+    """``configs/eval/<size>.yaml`` with ``key=value`` overrides, checked against EvalConfig:
+    unknown keys, wrong types and out-of-range values (``EvalConfig.__post_init__``) are one-line
+    errors."""
+    options = eval_options()
+    if size not in options:  # also keeps --eval from naming a file outside configs/eval
         raise PipelineError(f"--eval {size}: no such eval config; choose one of {', '.join(options)}")
-    data = OmegaConf.load(path)
+    data = OmegaConf.load(CONFIG_DIR / f"{size}.yaml")
     data.pop("defaults", None)
+    for item in overrides:
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise PipelineError(f"--set {item!r}: write KEY=VALUE, e.g. --set limit=12")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(EvalConfig), data, OmegaConf.from_dotlist(overrides))
-    except Exception as exc:  # omegaconf's validation errors: wrong key or type
-        raise PipelineError(f"--set {' '.join(overrides)}: {str(exc).splitlines()[0]}") from None
-    config = OmegaConf.to_object(merged)
+        config = OmegaConf.to_object(merged)  # builds EvalConfig: its __post_init__ checks run
+    except PipelineError as exc:  # EvalConfig's own range checks (ConfigError)
+        raise PipelineError(f"--set {' '.join(overrides)}: {first_line(exc)}") from None
+    except Exception as exc:  # omegaconf's validation errors: unknown key, wrong type
+        known = f" (keys: {', '.join(EvalConfig.__dataclass_fields__)})" if "Key" in first_line(exc) else ""
+        raise PipelineError(f"--set {' '.join(overrides)}: {first_line(exc)}{known}") from None
     assert isinstance(config, EvalConfig)
     return config
 
 
 def resolve_engine(folder: Path, role: str) -> tuple[Artifact, dict[str, Any]]:
-    """The engine and its run manifest for an engine folder or the run folder holding it."""
+    """The engine and its run manifest for an engine folder or the run folder holding it. The
+    engine folder must still be what the manifest recorded: every file listed, with its sha256,
+    and nothing else (a symlink leading out of the folder is refused)."""
+    from pipeline.registry.records import check_engine_folder, check_files
+    from pipeline.registry.refs import RegistryError
+
     folder = Path(folder)
     engine = folder if (folder / "engine.json").is_file() else folder / "engine"
     if not (engine / "engine.json").is_file():
@@ -122,8 +140,19 @@ def resolve_engine(folder: Path, role: str) -> tuple[Artifact, dict[str, Any]]:
         raise EngineError(
             f"--{role} {engine}: no manifest.json beside it; the gate compares engines of pipeline runs"
         )
-    manifest = json.loads(manifest_path.read_text())
-    return Artifact.from_dir(Kind.ENGINE, engine), manifest
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise EngineError(f"--{role} {manifest_path} is unreadable ({first_line(exc)})") from None
+    recorded = manifest.get("engine") if isinstance(manifest, dict) else None
+    if not isinstance(recorded, dict):
+        raise EngineError(f"--{role} {manifest_path} records no engine: the gate compares pipeline runs")
+    try:
+        files = check_files(recorded.get("files"), str(manifest_path))
+        digests = check_engine_folder(engine, files, str(manifest_path))
+    except RegistryError as exc:
+        raise EngineError(f"--{role}: {exc}") from None
+    return Artifact.from_dir(Kind.ENGINE, engine, digest_of(digests)), manifest
 
 
 def check_same_tokenizer(baseline: Path, candidate: Path) -> None:
@@ -159,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     from evals.gate import GateError
     from evals.suites import SuiteError
 
+    interrupt_on_sigterm()
     args = parse_args(argv)
     try:
         config = load_eval_config(args.eval, list(args.set))
@@ -171,16 +201,24 @@ def main(argv: list[str] | None = None) -> int:
     except (PipelineError, GateError, SuiteError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except OSError as exc:  # e.g. the score cache cannot be written: one line naming the path
+        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:
         print("interrupted: scores finished so far are cached; rerun to resume", file=sys.stderr)
-        return 130
+        return exit_code(exc)
     from rich.console import Console
 
     from pipeline.summary import gate_table
 
     Console().print(gate_table(record))
     if args.json:
-        args.json.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+        try:
+            write_json(args.json, record)
+        except OSError as exc:
+            exc.add_note("the gate record, --json")
+            print(f"error: {describe_os_error(exc)}", file=sys.stderr)
+            return 1
     passed = record["verdict"] == "PASS"
     print(f"gate {record['verdict']}: {record['reason']}", file=sys.stdout if passed else sys.stderr)
     return 0 if passed else GATE_FAILED

@@ -86,7 +86,7 @@ class PassManager:
         step.requires(source)
         step.checkpoint_dir = self.cache.checkpoint_dir(key)
         start = time.perf_counter()
-        with self.cache.stage(key) as staging:
+        with self.cache.stage(key, f"the output of pass '{step.name}'") as staging:
             out_dir = staging / "output"
             metrics = dict(step.run(source, out_dir) or {})
             produced = Artifact.from_dir(step.produces, out_dir)

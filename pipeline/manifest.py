@@ -3,26 +3,34 @@
 Schema version 1: ``source``, ``recipe`` (resolved config) and ``overrides``, ``passes``
 (name, version, config, input/output digests, seconds, cache hit, metrics), ``engine`` (files
 with sha256 and size), ``libraries``, ``host``, ``benchmark``, ``quality`` (perplexity, KL and
-top-1 agreement vs the reference engine on held-out text), ``gate``.
+top-1 agreement vs the reference engine on held-out text), ``gate``, ``code`` (the package
+version, and the git commit and dirty flag when run from a checkout; null when not).
 Bump :data:`SCHEMA_VERSION` on any incompatible change; consumers check it.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import importlib.metadata
+import os
 import platform
+import subprocess
 from pathlib import Path
 from typing import Any
 
 from pipeline import __version__
-from pipeline.artifacts import Artifact, file_digests, write_json
+from pipeline.artifacts import Artifact, file_digests
 from pipeline.bench import host_info
 from pipeline.cache import installed_versions, library_versions
 from pipeline.manager import PassRecord
+from pipeline.staging import write_json_staged
 
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 EXTRA_LIBRARIES = ("numpy", "safetensors", "hydra-core", "gguf")
+DISTRIBUTION = "llm-pipeline"
+REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout, when run from one
+GIT_TIMEOUT_S = 5.0
 
 
 def all_library_versions() -> dict[str, str]:
@@ -32,6 +40,45 @@ def all_library_versions() -> dict[str, str]:
         **library_versions(),
         **installed_versions(EXTRA_LIBRARIES),
     }
+
+
+def _git(root: Path, *args: str) -> str | None:
+    """``git -C root args`` stdout, or None when git is missing, fails or hangs. ``GIT_*``
+    variables (``GIT_DIR`` from a hook, ...) are dropped: they would name another repository."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("GIT_")}
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(root), *args],
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def code_revision(root: Path = REPO_ROOT) -> dict[str, Any]:
+    """What code made the run: ``version`` (the installed package's), and ``git_commit`` and
+    ``git_dirty`` (uncommitted or untracked changes) when ``root`` is a git checkout's top
+    folder; None for what cannot be told (no git, not a checkout, an installed wheel), never
+    an error."""
+    try:
+        version: str | None = importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    commit = dirty = None
+    top = _git(root, "rev-parse", "--show-toplevel")
+    # Only the checkout holding this package: not some other repository the install lies in.
+    if top is not None and Path(top.strip()).resolve() == root.resolve():
+        head = _git(root, "rev-parse", "HEAD")
+        commit = head.strip() if head and head.strip() else None
+        status = _git(root, "status", "--porcelain") if commit else None
+        dirty = None if status is None else bool(status.strip())
+    return {"version": version, "git_commit": commit, "git_dirty": dirty}
 
 
 def engine_files(folder: Path) -> list[dict[str, Any]]:
@@ -78,10 +125,13 @@ def build_manifest(
         "quality": quality,
         "gate": gate or {"verdict": "not-run", "reason": "no eval gate configured (eval=none)"},
         "speculative": speculative,
+        "code": code_revision(),
     }
 
 
 def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> Path:
+    """Write ``run_dir/manifest.json`` by atomic rename from a lock-owned staging folder
+    (``.manifest.json.<pid>.<random>``: removed on any exit, or by the next run after a SIGKILL)."""
     path = run_dir / MANIFEST_FILE
-    write_json(path, manifest)
+    write_json_staged(path, manifest, run_dir, f"cannot write the run record in {run_dir}", "hydra.run.dir")
     return path

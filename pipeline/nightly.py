@@ -22,6 +22,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.artifacts import write_json
+from pipeline.errors import one_line
 
 NIGHTLY_CHANNEL = "nightly"
 JOB_STATUS = "job_status.json"
@@ -41,8 +42,9 @@ def apply_nightly(cfg: DictConfig, overrides: list[str]) -> None:
 
 
 def write_job_status(run_dir: Path, code: int, message: str) -> None:
+    """The job's exit code and last line (always one line: a library's message can span many)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_json(run_dir / JOB_STATUS, {"exit_code": code, "message": message})
+    write_json(run_dir / JOB_STATUS, {"exit_code": code, "message": one_line(message)})
 
 
 class SweepStatus(Callback):
@@ -62,7 +64,7 @@ class SweepStatus(Callback):
             status_file = job / JOB_STATUS
             status = json.loads(status_file.read_text()) if status_file.is_file() else None
             code = 1 if status is None else int(status["exit_code"])
-            message = "no status written (the job crashed)" if status is None else status["message"]
+            message = "no status written (the job crashed)" if status is None else one_line(status["message"])
             varied = " ".join(o for o in overrides[job] if o not in shared)  # what the sweep varied
             print(f"job {job.name} [{varied}]: exit {code}: {message}", file=sys.stderr)
             worst = max(worst, code)

@@ -2,9 +2,13 @@
 
 ``pipeline/`` never imports ``passes/`` statically: the entry point imports every module of
 the ``passes`` package once (each registers its config schema), and the manager builds passes
-from the recipe with ``hydra.utils.instantiate``. Because ``_target_`` names code to import,
-only :class:`~pipeline.base.Pass` subclasses defined under ``passes`` are accepted, so an
-override cannot make a nightly job import and run arbitrary code.
+from the recipe's ``_target_``. Because ``_target_`` names code to import, only
+:class:`~pipeline.base.Pass` (or :class:`~pipeline.base.Recipe`) subclasses defined under ``passes``
+are accepted, so an override cannot make a nightly job import and run arbitrary code. The class is
+called directly with the node's other keys as plain data, never through Hydra's recursive
+``instantiate``: a ``_target_`` (or ``_args_``, ``_partial_``, ...) anywhere below a group's own
+``_target_`` would have Hydra build that object too (``+quant.x._target_=torch.load`` unpickles a
+file), so such keys are refused wherever they appear.
 """
 
 from __future__ import annotations
@@ -13,15 +17,15 @@ import importlib
 import pkgutil
 from typing import Any
 
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.artifacts import Kind
 from pipeline.base import Pass, Recipe
-from pipeline.errors import ConfigError, PipelineError
+from pipeline.errors import ConfigError
 
 PASS_PACKAGE = "passes"
+# Keys through which Hydra's instantiate calls or shapes code; only a group's own _target_ is used.
+HYDRA_KEYS = ("_target_", "_args_", "_partial_", "_recursive_", "_convert_")
 
 
 def discover_passes(package: str = PASS_PACKAGE) -> list[str]:
@@ -67,25 +71,48 @@ def _pass_nodes(key: str, node: Any) -> list[tuple[str, DictConfig]]:
     return found
 
 
+def check_plain_settings(where: str, node: dict[Any, Any]) -> None:
+    """Refuse Hydra's instantiate keys in a pass node except its own top-level ``_target_``."""
+
+    def walk(value: Any, path: str, top: bool) -> None:
+        if isinstance(value, dict):
+            for key, child in value.items():
+                name = f"{path}.{key}"
+                if key in HYDRA_KEYS and not (top and key == "_target_"):
+                    raise ConfigError(
+                        f"{name} is refused: pass settings are plain data and only the group's own "
+                        f"_target_ names code (a pass under '{PASS_PACKAGE}.'); remove {name}"
+                    )
+                walk(child, name, top=False)
+        elif isinstance(value, list):
+            for index, child in enumerate(value):
+                walk(child, f"{path}[{index}]", top=False)
+
+    walk(node, where, top=True)
+
+
+def build_pass(where: str, node: DictConfig) -> Pass | Recipe:
+    """The pass (or recipe) a node selects: its allow-listed class called with the node's other
+    keys as plain data (no recursive instantiation)."""
+    cls = pass_class(str(node._target_), where)
+    plain = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(plain, dict)
+    check_plain_settings(where, plain)
+    settings = {str(key): value for key, value in plain.items() if key != "_target_"}
+    return cls(**settings)
+
+
 def build_passes(cfg: DictConfig, source_kind: Kind = Kind.TORCH) -> list[Pass]:
-    """Instantiate the passes the recipe selects and arrange them along ``pipeline.order``."""
+    """Build the passes the recipe selects and arrange them along ``pipeline.order``."""
     entries: list[tuple[str, Pass]] = []
     for key in cfg.pipeline.order:
         if key not in cfg:
             raise ConfigError(f"pipeline.order names '{key}', which is not a config group")
-        for where, node in _pass_nodes(key, cfg[key]):
-            pass_class(str(node._target_), where)
-            plain = OmegaConf.to_container(node, resolve=True)
-            try:
-                built = instantiate(plain, _convert_="all")
-            except InstantiationException as exc:
-                # A pass refusing its own settings (PassError in __init__) is a user mistake:
-                # surface it as itself, not as Hydra's wrapper and its stack-trace hint.
-                if isinstance(exc.__cause__, PipelineError):
-                    raise exc.__cause__ from None
-                raise
-            expanded = built.passes() if isinstance(built, Recipe) else [built]
-            entries.extend((where, step) for step in expanded)
+        nodes = _pass_nodes(key, cfg[key])
+        built = [(where, build_pass(where, node)) for where, node in nodes]
+        for where, step in built:
+            expanded = step.passes() if isinstance(step, Recipe) else [step]
+            entries.extend((where, one) for one in expanded)
     return arrange(entries, source_kind)
 
 

@@ -58,7 +58,11 @@ def publish_run(
         )
     model, recipe = registry_names(choices, config)
     store = open_registry(config.root, config.uri if config.backend == "mlflow" else None)
-    record = store.publish(run_dir, model=model, recipe=recipe, channel=config.channel, force=config.force)
+    # The run's own record, not whatever manifest.json holds by now; the engine folder is checked
+    # against it file by file before anything is stored.
+    record = store.publish(
+        run_dir, model=model, recipe=recipe, channel=config.channel, force=config.force, manifest=manifest
+    )
     where = f" (channel {config.channel})" if config.channel else ""
     forced = f" [forced: {config.force}]" if record["forced"] else ""
     name = f"{model}/{recipe}/{record['target']}@{record['version']}"

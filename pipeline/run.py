@@ -9,13 +9,13 @@ a crash leaves finished files or nothing (plus Hydra's log and ``.hydra/``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,21 +23,27 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline.artifacts import Artifact, Kind, write_json
+from pipeline.artifacts import Artifact, Kind, link_tree
 from pipeline.base import Pass
 from pipeline.bench import measure
 from pipeline.cache import Cache, library_versions
 from pipeline.config import BenchConfig, EvalConfig, ModelConfig, QualityConfig
 from pipeline.manager import PassManager, validate
-from pipeline.manifest import build_manifest, write_manifest
+from pipeline.manifest import MANIFEST_FILE, build_manifest, write_manifest
 from pipeline.plugins import build_passes
 from pipeline.serving_bench import plot_serving
 from pipeline.sources import resolve_source
 from pipeline.speculative import attach_draft, build_draft, draft_passes, draft_summary, speculative_config
+from pipeline.staging import owned_folder, remove_abandoned, storage_error, unique_name
 
 log = logging.getLogger(__name__)
 
 ENGINE_DIR = "engine"
+# The lock-owned staging a run keeps in its folder while it runs (``staging.unique_name``): the
+# engine copy, the scratch cache of ``pipeline.cache=false`` and the run record's temporary file.
+RUN_STAGING = re.compile(
+    rf"\.({ENGINE_DIR}|{ENGINE_DIR}\.old|work|{re.escape(MANIFEST_FILE)})\.\d+\.[0-9a-f]{{12}}"
+)
 SERVING_PLOT = "serving.png"  # bench=serving: throughput vs concurrency
 # Groups whose passes optimize; the reference engine is the same recipe with all of them off.
 OPTIMIZATION_GROUPS = ("prune", "distill", "quant", "kv_cache", "fusion")
@@ -59,18 +65,47 @@ class RunResult:
 
 
 def place_engine(engine: Artifact, run_dir: Path) -> Path:
-    """Copy the engine out of the cache into ``run_dir/engine`` (atomically)."""
+    """Put the engine of the cache into ``run_dir/engine`` atomically: hard-linked (copied across
+    file systems) into a lock-owned staging folder ``.engine.<pid>.<random>``, then renamed. Ctrl-C,
+    SIGTERM or an error removes the staging folder; after a SIGKILL the next run does
+    (:func:`remove_abandoned_runs`). Cache files are never written in place, so sharing them with
+    the run folder is safe (an edit to either is caught by the cache's digest check)."""
     final = run_dir / ENGINE_DIR
-    staging = run_dir / f".{ENGINE_DIR}.{os.getpid()}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
     try:
-        shutil.copytree(engine.path, staging)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(staging, final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        with owned_folder(run_dir / unique_name(f".{ENGINE_DIR}")) as staging:
+            link_tree(engine.path, staging)
+            if final.exists():  # a rerun into the same folder: swap, never a half-removed engine
+                with owned_folder(run_dir / unique_name(f".{ENGINE_DIR}.old")) as old:
+                    os.rename(final, old / ENGINE_DIR)
+                    os.rename(staging, final)
+            else:
+                os.rename(staging, final)
+    except OSError as exc:
+        error = storage_error(exc, f"cannot place the engine in {run_dir}", "hydra.run.dir")
+        if error is None:
+            raise
+        raise error from None
     return final
+
+
+def remove_abandoned_runs(run_dir: Path, max_age_s: float | None = None) -> None:
+    """Remove the staging that killed runs left in ``run_dir`` and its sibling run folders (the
+    engine copy, the scratch cache of ``pipeline.cache=false``, the run record's temporary
+    file): only those whose owner's lock is free, so live jobs on other hosts keep theirs."""
+    parent = run_dir.parent
+    try:
+        siblings = [p for p in parent.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    except OSError:
+        return
+    for folder in siblings:
+        for path in remove_abandoned(folder, ".", max_age_s, pattern=RUN_STAGING):
+            log.info("removed %s: its run was killed", path)
+
+
+def staging_max_age_s(cfg: DictConfig) -> float | None:
+    """``pipeline.staging_max_age_h`` in seconds (None: staging is removed by lock only)."""
+    hours = cfg.pipeline.get("staging_max_age_h")
+    return None if hours is None else float(hours) * 3600
 
 
 def reference_passes(cfg: DictConfig) -> list[Pass]:
@@ -104,15 +139,12 @@ def run_pipeline(
 
     model_cfg = OmegaConf.to_object(cfg.model)
     assert isinstance(model_cfg, ModelConfig)
-    source = resolve_source(model_cfg, Path(cfg.pipeline.models_dir))
+    max_age_s = staging_max_age_s(cfg)
+    source = resolve_source(model_cfg, Path(cfg.pipeline.models_dir), max_age_s)
     log.info("source %s (%s)", source.path, source.digest[:12])
 
-    scratch = None
-    if cfg.pipeline.cache:
-        cache = Cache(Path(cfg.pipeline.cache_dir))
-    else:
-        scratch = Path(tempfile.mkdtemp(prefix=".work-", dir=run_dir))
-        cache = Cache(scratch, enabled=False)
+    remove_abandoned_runs(run_dir, max_age_s)
+    scratch = contextlib.ExitStack()  # pipeline.cache=false: a throwaway cache in the run folder
     bench_cfg = OmegaConf.to_object(cfg.bench)
     assert isinstance(bench_cfg, BenchConfig)
     benchmark = None
@@ -123,6 +155,10 @@ def run_pipeline(
     assert isinstance(eval_cfg, EvalConfig)
     gate = None
     try:
+        if cfg.pipeline.cache:
+            cache = Cache(Path(cfg.pipeline.cache_dir), max_age_s=max_age_s)
+        else:  # lock-owned: removed on any exit, or by the next run after a SIGKILL
+            cache = Cache(scratch.enter_context(owned_folder(run_dir / unique_name(".work"))), enabled=False)
         engine, records = PassManager(passes, cache).run(source)
         if drafting:
             draft, draft_records = build_draft(drafting, source, engine, cache)
@@ -147,8 +183,7 @@ def run_pipeline(
             plot = plot_serving(benchmark["serving"], run_dir / SERVING_PLOT)
             benchmark["serving"]["plot"] = plot.name if plot else None
     finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        scratch.close()
 
     manifest = build_manifest(
         source=source,
@@ -180,14 +215,14 @@ def _quality(
     payload = {"engine": engine.digest, "reference": reference.digest, "config": asdict(config)}
     key = hashlib.sha256(json.dumps({**payload, "libs": library_versions()}, sort_keys=True).encode())
     stored = cache.root / "quality" / f"{key.hexdigest()}.json"
-    if cache.enabled and stored.is_file():
-        return {**json.loads(stored.read_text()), "cache_hit": True}
+    found = cache.read_record(stored) if cache.enabled else None  # a broken record is recomputed
+    if found is not None:
+        return {**found, "cache_hit": True}
     log.info("quality: scoring on held-out text '%s'", config.text)
     same = reference.digest == engine.digest
     record = {**quality_fn(engine.path, None if same else reference.path, config), **payload}
     if cache.enabled:
-        stored.parent.mkdir(parents=True, exist_ok=True)
-        write_json(stored, record)
+        cache.write_record(stored, record)
     return {**record, "cache_hit": False}
 
 

@@ -91,7 +91,7 @@ def attach_draft(cache: Cache, target: Artifact, draft: Artifact, k: int) -> tup
     spec = json.loads((target.path / ENGINE_FILE).read_text())
     check_draft_folders(target.path, spec, draft.path, json.loads((draft.path / ENGINE_FILE).read_text()))
     start = time.perf_counter()
-    with cache.stage(key) as staging:
+    with cache.stage(key, "the engine with its draft") as staging:
         out = staging / "output"
         link_tree(target.path, out)
         (out / DRAFT_DIR).mkdir()

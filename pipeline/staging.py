@@ -2,31 +2,43 @@
 their owners abandoned.
 
 A staging folder ``<parent>/<name>`` is owned through an exclusive lock on ``<parent>/<name>.lock``
-(``filelock``: ``flock``, which NFSv4 and Lustre carry across hosts), taken *before* the folder
-is made and held until the folder has been renamed into place or removed. Anyone may remove a
-staging folder whose lock it can take at once: the owner is provably gone (a crash or SIGKILL
-releases the lock with the process), whichever host or PID namespace it ran in. A local PID check
-cannot say that: a PID from another host or container means nothing here. For file systems whose
-locks do not reach every host, ``max_age_s`` also removes folders older than that age whatever
+(``flock``, which NFSv4 and Lustre carry across hosts), taken *before* the folder is made and held
+until the folder has been renamed into place or removed. Anyone may remove a staging folder whose
+lock it can take at once: the owner is provably gone (a crash or SIGKILL releases the lock with the
+process), whichever host or PID namespace it ran in. A local PID check cannot say that: a PID from
+another host or container means nothing here. For file systems whose locks do not reach every
+host, ``max_age_s`` also removes folders in which nothing was written for longer than that, whatever
 their lock says (``pipeline.staging_max_age_h``).
+
+A lock file is only ever unlinked by a process holding its lock, and whoever takes a lock checks
+that the file it locked is still the one at that path (else it locks the new one), so a lock file
+removed and recreated between ``open`` and ``flock`` never makes two owners.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import logging
 import os
+import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from filelock import FileLock, Timeout
+from pipeline.errors import OS_ERROR_FIXES, StorageError
 
 log = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".lock"
+_RETRIES = 50  # taking a fresh lock: a remover may hold it for a moment while it checks it
+# Lock files this process holds: on NFS, flock is emulated with POSIX locks, which do not
+# conflict within one process, so a removal must not rely on the lock to spare our own folders.
+# (A set's add and discard are atomic: no lock, which a finalizer could deadlock on.)
+_held: set[str] = set()
 
 
 def unique_name(prefix: str) -> str:
@@ -38,73 +50,211 @@ def lock_path(folder: Path) -> Path:
     return folder.with_name(folder.name + LOCK_SUFFIX)
 
 
-@contextlib.contextmanager
-def owned_folder(folder: Path) -> Iterator[Path]:
-    """Create ``folder`` (which must not exist) owned by this process; remove it on any exit,
-    unless it was renamed away. Its lock is held for the whole block and removed afterwards."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(lock_path(folder)), thread_local=False)
-    lock.acquire(timeout=0)  # a fresh unique name: nobody else holds it
-    try:
-        folder.mkdir()
-        yield folder
-    finally:
+def _try_lock(path: Path, create: bool = True) -> int | None:
+    """An open descriptor holding the exclusive lock of ``path`` (created if missing, unless
+    ``create`` is false: then a missing file raises FileNotFoundError), or None when another
+    process (or another descriptor of this one) holds it."""
+    if str(path) in _held:
+        return None
+    for _ in range(_RETRIES):
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o644)
         try:
-            if folder.exists():
-                shutil.rmtree(folder, ignore_errors=True)
-        finally:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                return None
+            raise
+        try:
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(fd).st_ino:
+            return fd
+        os.close(fd)  # unlinked by its holder meanwhile: lock the file now at that path
+    return None
+
+
+def _unlock(fd: int, path: Path, unlink: bool) -> None:
+    """Release a lock taken by :func:`_try_lock`, unlinking its file first when asked (only the
+    holder ever unlinks it)."""
+    try:
+        if unlink:
             with contextlib.suppress(OSError):
-                os.unlink(lock_path(folder))
-            lock.release()
+                os.unlink(path)
+    finally:
+        os.close(fd)  # closing the last descriptor releases the flock
 
 
-def remove_abandoned(parent: Path, prefix: str = "", max_age_s: float | None = None) -> list[Path]:
+def owned_folder(folder: Path) -> OwnedFolder:
+    """``with owned_folder(path) as folder:`` create ``folder`` (which must not exist, named by
+    :func:`unique_name`) owned by this process; remove it on any exit unless it was renamed away.
+    Its lock is held for the whole block and removed afterwards."""
+    return OwnedFolder(folder)
+
+
+class OwnedFolder:
+    """The context manager of :func:`owned_folder`. Interrupt-safe as far as Python allows:
+    whatever instruction Ctrl-C or SIGTERM lands on while the lock is taken or the folder made,
+    ``__enter__`` removes what it made; a removal another interrupt cuts short is finished before
+    that interrupt goes on; and should an interrupt land before ``__exit__`` could start, the
+    object's finalizer removes the folder when the unwinding drops it. The unique name makes all
+    of that safe without the lock: nobody else uses that name."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.lock = lock_path(self.folder)
+        self._fd: int | None = None
+        self._open = False
+
+    def __enter__(self) -> Path:
+        self._open = True
+        try:
+            self.folder.parent.mkdir(parents=True, exist_ok=True)
+            for _ in range(_RETRIES):  # a fresh name: at most a remover checking it holds it
+                self._fd = _try_lock(self.lock)
+                if self._fd is not None:
+                    break
+                time.sleep(0.01)
+            if self._fd is None:
+                raise FileExistsError(errno.EEXIST, "staging lock held by another process", str(self.lock))
+            _held.add(str(self.lock))
+            self.folder.mkdir()
+        except BaseException:
+            self.release()
+            raise
+        return self.folder
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Remove the folder (unless renamed away) and its lock; idempotent. An interrupt in the
+        middle is caught, the removal finished, then the interrupt raised."""
+        try:
+            self._release()
+        except KeyboardInterrupt:
+            try:
+                self._release()
+            except KeyboardInterrupt:
+                self._release()
+                raise
+            raise
+
+    def _release(self) -> None:
+        if not self._open:
+            return
+        if self.folder.exists():
+            try:
+                shutil.rmtree(self.folder, ignore_errors=True)
+            except OSError:  # rmtree interrupted in its finally closes a descriptor twice (EBADF)
+                shutil.rmtree(self.folder, ignore_errors=True)
+        _held.discard(str(self.lock))
+        with contextlib.suppress(OSError):
+            os.unlink(self.lock)  # ours by its unique name, whether or not we got to lock it
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        self._open = False
+
+    def __del__(self) -> None:
+        if getattr(self, "_open", False):
+            with contextlib.suppress(Exception):
+                self._release()
+
+
+def newest_mtime(path: Path) -> float:
+    """The latest modification time of ``path`` and everything under it (0 when it is gone)."""
+    try:
+        newest = path.lstat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+    if path.is_dir() and not path.is_symlink():
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                with contextlib.suppress(FileNotFoundError):
+                    newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
+    return newest
+
+
+def is_owned(folder: Path) -> bool:
+    """Whether a live process (here or on another host) holds ``folder``'s staging lock."""
+    path = lock_path(folder)
+    if str(path) in _held:
+        return True
+    try:
+        fd = _try_lock(path, create=False)
+    except FileNotFoundError:
+        return False
+    except OSError:  # cannot even open the lock (read-only storage): assume it is alive
+        return True
+    if fd is None:
+        return True
+    _unlock(fd, path, unlink=not folder.exists())  # a lock whose folder is gone is stray
+    return False
+
+
+def remove_abandoned(
+    parent: Path, prefix: str = "", max_age_s: float | None = None, pattern: re.Pattern[str] | None = None
+) -> list[Path]:
     """Remove the staging folders (and files) under ``parent`` whose names start with ``prefix``
-    and whose owner is gone (their lock is free) or that are older than ``max_age_s``. Returns
-    what was removed. Lock files whose folder is gone are removed too."""
+    (and match all of ``pattern``, when given: in folders shared with other files) and whose
+    owner is gone (their lock is free) or in which nothing was written for longer than
+    ``max_age_s``. Returns what was removed. Lock files whose folder is gone are removed too.
+    Storage this process cannot write (a read-only cache) is left as it is."""
     removed: list[Path] = []
     if not parent.is_dir():
         return removed
     now = time.time()
-    for path in sorted(parent.iterdir()):
-        if not path.name.startswith(prefix) or path.name.endswith(LOCK_SUFFIX):
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix) or name.endswith(LOCK_SUFFIX):
             continue
-        try:
-            age = now - path.lstat().st_mtime
-        except FileNotFoundError:
+        if pattern is not None and not pattern.fullmatch(name):
             continue
-        too_old = max_age_s is not None and age > max_age_s
-        lock = FileLock(str(lock_path(path)), thread_local=False)
+        path = parent / name
+        lock = lock_path(path)
+        if str(lock) in _held:
+            continue  # ours
         try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            if not too_old:
+            fd = _try_lock(lock)
+        except OSError as exc:
+            log.debug("cannot check %s: %s", path, exc)
+            continue
+        if fd is None:
+            if max_age_s is None or now - newest_mtime(path) <= max_age_s:
                 continue  # its owner is alive, on this host or another
-            log.warning("removing %s: older than %.0f h, although a lock is still held", path, age / 3600)
+            log.warning(
+                "removing %s: nothing written for %.0f h, although its lock is still held",
+                path,
+                (now - newest_mtime(path)) / 3600,
+            )
             _remove(path)
             removed.append(path)
             continue
         try:
-            _remove(path)
-            removed.append(path)
+            if path.exists() or path.is_symlink():
+                _remove(path)
+                removed.append(path)
         finally:
-            with contextlib.suppress(OSError):
-                os.unlink(lock_path(path))
-            lock.release()
+            _unlock(fd, lock, unlink=True)
     for stray in parent.glob(f"{prefix}*{LOCK_SUFFIX}"):  # a lock whose folder is gone
         folder = stray.with_name(stray.name[: -len(LOCK_SUFFIX)])
-        if folder.exists():
+        if pattern is not None and not pattern.fullmatch(folder.name):
             continue
-        lock = FileLock(str(stray), thread_local=False)
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
+        if str(stray) in _held or folder.exists():
             continue
         try:
-            with contextlib.suppress(OSError):
-                os.unlink(stray)
-        finally:
-            lock.release()
+            fd = _try_lock(stray)
+        except OSError:
+            continue
+        if fd is None:
+            continue
+        # Its owner makes the folder only once it holds the lock, which we now hold.
+        _unlock(fd, stray, unlink=not folder.exists())
     return removed
 
 
@@ -114,3 +264,34 @@ def _remove(path: Path) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+def storage_error(exc: OSError, doing: str, setting: str = "") -> StorageError | None:
+    """A one-line :class:`StorageError` for ``exc`` raised while ``doing`` (e.g. "writing the
+    cache entry of pass 'export'"), naming the file and the fix (``setting``: the config knob
+    that moves the folder, like ``pipeline.cache_dir``); None for other OS errors."""
+    fix = OS_ERROR_FIXES.get(exc.errno or 0)
+    if fix is None:
+        return None
+    where = exc.filename if exc.filename is not None else "?"
+    if setting:
+        fix = f"{fix} ({setting}=...)"
+    return StorageError(f"{doing}: {where}: {exc.strerror or exc}: {fix}")
+
+
+def write_json_staged(path: Path, data: Any, staging: Path, doing: str, setting: str) -> None:
+    """Write JSON at ``path`` by atomic rename, its temporary file in a lock-owned folder made
+    under ``staging`` (so what a SIGKILL leaves is removed by the next run); an OS error the user
+    fixes (disk full, read-only, permission) becomes one :class:`StorageError` line saying
+    ``doing`` and naming ``setting``, the knob that moves the folder."""
+    from pipeline.artifacts import write_json
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with owned_folder(staging / unique_name(f".{path.name}")) as folder:
+            write_json(path, data, staging=folder)
+    except OSError as exc:
+        error = storage_error(exc, doing, setting)
+        if error is None:
+            raise
+        raise error from None

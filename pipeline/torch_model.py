@@ -1,4 +1,6 @@
-"""Loading a torch artifact (HF Llama folder) safely: safetensors only, never remote code."""
+"""Loading a torch artifact (HF Llama folder) safely: safetensors only, never remote code
+(``trust_remote_code=False`` on every load; sources with ``auto_map`` are refused earlier, in
+``pipeline/sources.py``). A file transformers cannot read is a one-line SourceError."""
 
 from __future__ import annotations
 
@@ -7,7 +9,18 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import ARTIFACT_FILE
-from pipeline.errors import SourceError, first_line
+from pipeline.errors import SourceError
+
+# Readers of a bad checkpoint file raise many types (OSError, ValueError, TypeError, KeyError,
+# huggingface_hub's validation errors, tokenizers' plain Exception, ...), some over many lines.
+MAX_REASON = 300
+
+
+def _reason(exc: BaseException) -> str:
+    """The exception's message on one line, shortened."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
+
 
 # Files save_pretrained writes; copy_beside_weights leaves them to it.
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
@@ -29,21 +42,22 @@ def load_causal_lm(folder: Path, attn_implementation: str | None = None) -> Any:
             trust_remote_code=False,
             attn_implementation=attn_implementation,
         )
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+    except Exception as exc:  # see MAX_REASON
         raise SourceError(
-            f"cannot load the checkpoint in {folder} ({first_line(exc)}): re-save or re-download it"
+            f"cannot load the checkpoint in {folder} ({_reason(exc)}): re-save or re-download it"
         ) from None
     return model.eval()
 
 
 def load_tokenizer(folder: Path) -> Any:
+    """The checkpoint's tokenizer (never its code); a missing or corrupt one is a SourceError."""
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # see MAX_REASON
         raise SourceError(
-            f"cannot load the tokenizer in {folder} ({first_line(exc)}): save it beside the weights"
+            f"cannot load the tokenizer in {folder} ({_reason(exc)}): save it beside the weights"
         ) from None
 
 

@@ -9,23 +9,28 @@
     python -m pipeline.registry gc
     python -m pipeline.registry --uri http://127.0.0.1:5000 list      # the MLflow backend
 
-Bad input (a bad name, an unknown version, a refused publish, a corrupt blob on pull) prints one
-``error:`` line and exits with code 2.
+Bad input (a bad name, an unknown version, a refused publish, a corrupt blob on pull, a --root
+that is not a registry) prints one ``error:`` line and exits with code 2; an operating-system
+failure (a read-only registry on publish, permission denied, a full disk) one line naming the path
+and what was being written, exit code 1. Malformed records are named on ``warning:`` lines and
+skipped. Ctrl-C or SIGTERM leaves nothing half-written (exit 130 or 143).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
 
 from pipeline.registry import CHANNELS, DEFAULT_ROOT, Ref, RegistryError, open_registry
-from pipeline.registry.records import Registry
+from pipeline.registry.records import Registry, describe
+from pipeline.signals import exit_code, interrupt_on_sigterm
 
 
 def _list(store: Registry, args: argparse.Namespace) -> int:
@@ -52,22 +57,34 @@ def _show(store: Registry, args: argparse.Namespace) -> int:
         print(json.dumps(record, indent=2, default=str))
         return 0
     manifest = record["manifest"]
+    source = manifest.get("source")
+    digest = str(source.get("digest", "?")) if isinstance(source, dict) else "?"
     lines = [
         f"{record['model']}/{record['recipe']}/{record['target']}@{record['version']}",
-        f"  published {record['published_at']} by {record['published_by']} from {record['run']}",
+        f"  published {record['published_at']} by {record.get('published_by')} from {record.get('run')}",
         f"  gate: {record['gate']['verdict']}"
         + (f" (forced: {record['forced']})" if record["forced"] else f" ({record['gate'].get('reason')})"),
-        f"  engine digest {record['engine']['digest']}",
-        f"  source {manifest['source'].get('digest', '?')[:12]}, overrides {manifest.get('overrides')}",
+        f"  engine digest {record['engine'].get('digest')}",
+        f"  source {digest[:12]}, overrides {manifest.get('overrides')}",
     ]
-    for suite, row in ((manifest.get("gate") or {}).get("suites") or {}).items():
-        lines.append(f"  {suite}: {_suite_line(row)}")
+    gate = manifest.get("gate")
+    suites = gate.get("suites") if isinstance(gate, dict) else None
+    for suite, row in (suites if isinstance(suites, dict) else {}).items():
+        lines.append(f"  {suite}: {_optional(_suite_line, row)}")
     if bench := manifest.get("benchmark"):
-        lines.append(f"  benchmark: {_bench_line(bench)}")
+        lines.append(f"  benchmark: {_optional(_bench_line, bench)}")
     for entry in record["engine"]["files"]:
         lines.append(f"    {entry['sha256'][:12]}  {entry['bytes']:>12,}  {entry['path']}")
     print("\n".join(lines))
     return 0
+
+
+def _optional(format_line: Any, data: Any) -> str:
+    """A manifest section as one line; '?' when it is not what a run writes (shown, not trusted)."""
+    try:
+        return str(format_line(data))
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return "? (not in the format a run writes)"
 
 
 def _suite_line(row: dict[str, Any]) -> str:
@@ -104,6 +121,7 @@ def _promote(store: Registry, args: argparse.Namespace) -> int:
 
 
 def _publish(store: Registry, args: argparse.Namespace) -> int:
+    # The store reads (and checks) run_dir/manifest.json; the engine folder must match it.
     record = store.publish(
         args.run_dir, model=args.model, recipe=args.recipe, channel=args.channel, force=args.force
     )
@@ -115,7 +133,11 @@ def _verify(store: Registry, args: argparse.Namespace) -> int:
     problems = store.verify()
     for problem in problems:
         print(problem)
-    versions = len(store.index()["versions"])
+    logging.disable(logging.WARNING)  # the malformed files are among the problems printed
+    try:
+        versions = len(store.index()["versions"])
+    finally:
+        logging.disable(logging.NOTSET)
     print(f"{store.root}: {versions} versions, {len(problems)} problems")
     return 1 if problems else 0
 
@@ -129,11 +151,16 @@ def _gc(store: Registry, args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, like every other user mistake
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.registry", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m pipeline.registry", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="the local registry folder")
     parser.add_argument("--uri", help="an MLflow tracking server instead, e.g. http://127.0.0.1:5000")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     listing = commands.add_parser("list", help="every version and its channels")
     listing.add_argument("--json", action="store_true")
     listing.set_defaults(run=_list)
@@ -167,16 +194,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class _WarningLines(logging.Handler):
+    """The registry's warnings (a malformed record skipped, a corrupt blob replaced) as
+    ``warning: ...`` lines on whatever ``sys.stderr`` is when they happen."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter("warning: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def _warnings_as_lines() -> None:
+    logger = logging.getLogger("pipeline.registry")
+    if not any(isinstance(h, _WarningLines) for h in logger.handlers):
+        logger.addHandler(_WarningLines())
+    if logger.level == logging.NOTSET or logger.level > logging.WARNING:
+        logger.setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    interrupt_on_sigterm()
     try:
+        args = parse_args(argv)
+        _warnings_as_lines()
         return int(args.run(open_registry(args.root, args.uri), args))
-    except RegistryError as exc:
+    except RegistryError as exc:  # RegistryIOError (the OS refused): exit code 1
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: nothing half-written is visible; `gc` removes what was staged", file=sys.stderr)
-        return 130
+        return exc.exit_code
+    except OSError as exc:  # not foreseen above: still one line naming the path
+        print(f"error: {describe(exc)} (while running `{' '.join(sys.argv[1:3])}`)", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:
+        print(
+            "interrupted: nothing half-written is visible (a publish stops before its version record, "
+            "a pull before its rename); `gc` removes what a killed publish staged",
+            file=sys.stderr,
+        )
+        return exit_code(exc)
 
 
 if __name__ == "__main__":

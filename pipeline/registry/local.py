@@ -7,17 +7,33 @@ Layout under the root (``artifacts/registry`` by default)::
     versions/<model>/<recipe>/<target>/<n>.json   one immutable record per version
     channels/<model>/<recipe>/<target>/<ch>.json  a movable alias (nightly, candidate, stable) + history
     index.json                                    every version and channel, rebuilt from the above
-    .staging/                                     partial files of a publish or pull in progress
+    registry.json                                 the marker: this folder is a registry
+    .staging/                                     a publish in progress (a folder owned by a lock)
     .lock                                         one writer at a time (publish, promote, gc)
 
-Publishing copies each engine file into ``.staging`` while hashing it, checks the sha256 the run
-recorded, and renames it into ``blobs``; then the version record is linked into place
-(``os.link`` fails on an existing name, so a version is never overwritten). That link is the
-commit: a publisher killed before it leaves only staging files and unreferenced blobs, which
-``gc`` removes; killed after it, the version is complete. The index is derived from the version
-and channel files, so a stale one (killed between the two) is rebuilt by the next reader.
+Publishing first checks the run's record (``engine.path`` and every file path stay inside the run
+and engine folders, symlinks included; sha256 and sizes well-formed; the engine folder holds
+exactly the files listed), copies each engine file into ``.staging`` while hashing it, checks the
+sha256 the run recorded, and only when every file matched renames them into ``blobs`` (a blob of
+the same name is hashed too: one whose bytes do not match its name is replaced, with a warning);
+then the version record is linked into place (``os.link`` fails on an existing name, so a version
+is never overwritten). That link is the commit: a publisher killed before it leaves only a
+staging folder and unreferenced blobs, which ``gc`` removes; killed after it, the version is
+complete. The index is derived from the version and channel files: readers compute it from them,
+and a stale ``index.json`` (killed between the two) is rewritten by the next writer or ``verify``.
 Writers hold a file lock (``filelock``) for the whole publish, so concurrent publishers queue:
 versions stay distinct and ``gc`` never sees another publisher's blobs before their record.
+
+Nothing read is trusted: a version record, channel file or index that is not what this code
+writes (bad JSON, not an object, missing keys, wrong types, paths leaving the engine folder,
+malformed sha256) is reported by its path and skipped by ``list`` (a warning), ``verify`` (a
+problem: exit 1) and ``gc`` (which then removes no blob: such a record may use any), and refused by
+``show``/``pull`` of that version. A folder is a registry when it holds ``registry.json``
+(written when the first publish creates it) or, for registries older than the marker,
+``versions/``, ``blobs/``, ``channels/`` or ``index.json``. A folder holding anything else is
+refused by every command; a missing or empty one reads as an empty registry for ``list``,
+``show`` and ``pull``, is an error for ``verify`` and ``gc``, and is created by ``publish``.
+``list``, ``show`` and ``pull`` never write under the root (a read-only registry serves them).
 """
 
 from __future__ import annotations
@@ -25,9 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import stat
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,19 +53,40 @@ from pipeline.artifacts import sha256_file, write_json
 from pipeline.registry.records import (
     ENGINE_DIR,
     RECORD_SCHEMA,
+    SHA256,
+    check_channel_file,
+    check_record,
     check_tensorrt,
     copy_hashed,
+    describe,
+    load_json,
     now,
     prepare_publication,
     pulled_folder,
     safe_relative,
+    stage_file,
 )
-from pipeline.registry.refs import Ref, RegistryError, check_channel
+from pipeline.registry.refs import CHANNELS as CHANNEL_NAMES
+from pipeline.registry.refs import Ref, RegistryError, RegistryIOError, check_channel
+from pipeline.staging import owned_folder, remove_abandoned, unique_name
 
 log = logging.getLogger(__name__)
 
 # Called at each step of a publish ("blob <path>", "blobs", "record", "index", "channel").
 StageHook = Callable[[str], None]
+
+MARKER = "registry.json"
+LAYOUT = (MARKER, "versions", "blobs", "channels", "index.json")  # any one marks a registry
+
+
+@contextmanager
+def _writing(what: str) -> Iterator[None]:
+    """An OS error (read-only registry, permission denied, disk full) as one line naming the
+    path and what was being written."""
+    try:
+        yield
+    except OSError as exc:
+        raise RegistryIOError(f"cannot write {what}: {describe(exc)}") from None
 
 
 class LocalRegistry:
@@ -72,26 +107,73 @@ class LocalRegistry:
     def _channel_file(self, ref: Ref, channel: str) -> Path:
         return self.root / "channels" / ref.model / ref.recipe / ref.target / f"{channel}.json"
 
-    def _staging(self) -> Path:
-        path = self.root / ".staging"
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+    def _state(self) -> str:
+        """``registry``, or ``absent`` (no folder, or an empty one); a folder holding anything
+        else is not a registry and is refused, whatever the command."""
+        try:
+            names = set(os.listdir(self.root))
+        except FileNotFoundError:
+            return "absent"
+        except NotADirectoryError:
+            raise RegistryError(
+                f"{self.root} is a file, not a registry folder: check --root (registry.root)"
+            ) from None
+        except OSError as exc:
+            raise RegistryIOError(f"cannot read the registry {self.root}: {describe(exc)}") from None
+        if names & set(LAYOUT):
+            return "registry"
+        if not names:
+            return "absent"
+        raise RegistryError(
+            f"{self.root} is not a registry (it holds no {MARKER}, versions/ or blobs/): "
+            "pass the folder a publish created (--root, registry.root)"
+        )
+
+    def _require(self) -> None:
+        """For verify and gc: a registry must be there (a typo in --root is not '0 problems')."""
+        if self._state() == "absent":
+            what = "is empty" if self.root.is_dir() else "does not exist"
+            raise RegistryError(
+                f"{self.root} {what}: no registry there to check; pass the folder a publish created (--root)"
+            )
+
+    def _create(self) -> None:
+        """Make the root a registry: created with its marker in one rename when missing (so no
+        half-made registry is ever seen), the marker added to an empty or older one."""
+        if self._state() == "registry" and (self.root / MARKER).is_file():
+            return
+        marker = {"schema": RECORD_SCHEMA, "kind": "llm-pipeline registry", "created_at": now()}
+        with _writing(f"the registry {self.root}"):
+            if self.root.is_dir():
+                write_json(self.root / MARKER, marker)
+                return
+            parent = self.root.parent
+            parent.mkdir(parents=True, exist_ok=True)
+            prefix = f".{self.root.name}.new"
+            remove_abandoned(parent, prefix + ".")
+            with owned_folder(parent / unique_name(prefix)) as fresh:
+                write_json(fresh / MARKER, marker)
+                try:
+                    os.rename(fresh, self.root)
+                except OSError:
+                    if self._state() != "registry":  # not another publisher creating it first
+                        raise
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        self.root.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(self.root / ".lock"))
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            log.info("waiting for the registry lock (another publisher is writing %s)", self.root)
+        with _writing(f"the registry lock in {self.root}"):
+            lock = FileLock(str(self.root / ".lock"))
             try:
-                lock.acquire(timeout=self.lock_timeout)
+                lock.acquire(timeout=0)
             except Timeout:
-                raise RegistryError(
-                    f"{self.root}/.lock stayed held for {self.lock_timeout:.0f} s: another publisher "
-                    "is still writing; retry later"
-                ) from None
+                log.info("waiting for the registry lock (another publisher is writing %s)", self.root)
+                try:
+                    lock.acquire(timeout=self.lock_timeout)
+                except Timeout:
+                    raise RegistryError(
+                        f"{self.root}/.lock stayed held for {self.lock_timeout:.0f} s: another publisher "
+                        "is still writing; retry later"
+                    ) from None
         try:
             yield
         finally:
@@ -107,23 +189,37 @@ class LocalRegistry:
         recipe: str,
         channel: str | None = None,
         force: str | None = None,
+        manifest: dict[str, Any] | None = None,
         on_stage: StageHook | None = None,
     ) -> dict[str, Any]:
-        """Publish the engine of a finished run (its folder holds ``manifest.json`` and the engine)
-        as the next version of model/recipe/target; move ``channel`` to it. Refused unless the
-        run's gate verdict is PASS, or ``force`` gives the reason to publish anyway."""
+        """Publish the engine of a finished run as the next version of model/recipe/target; move
+        ``channel`` to it. ``manifest`` is the run's own record (``publish_run`` passes it), else
+        ``run_dir/manifest.json`` is read; the engine folder must match it file for file, byte
+        for byte. Refused unless the run's gate verdict is PASS, or ``force`` gives the reason to
+        publish anyway."""
         stage = on_stage or (lambda _: None)
-        publication = prepare_publication(run_dir, model, recipe, channel, force)
+        publication = prepare_publication(run_dir, model, recipe, channel, force, manifest)
         ref = publication.ref
-        with self._locked():
-            staging = self._staging()
-            for entry in publication.files:
-                self._store_blob(publication.engine_dir, entry, staging)
-                stage(f"blob {entry['path']}")
-            stage("blobs")
-            version = self._next_version(ref)
-            record = publication.record(version)
-            self._commit_record(ref.at(version), record, staging)
+        self._create()
+        with self._locked(), _writing(f"a new version into {self.root}"):
+            if channel:
+                self._read_channel(self._channel_file(ref, channel))  # a broken one stops us here
+            with _writing(f"the staging folder {self.root / '.staging'}"):
+                staging_root = self.root / ".staging"
+                staging_root.mkdir(exist_ok=True)
+            with owned_folder(staging_root / unique_name("publish")) as staging:
+                staged = []
+                for number, entry in enumerate(publication.files):
+                    tmp = staging / f"{number}.blob"
+                    stage_file(publication.engine_dir / entry["path"], tmp, entry)
+                    staged.append((entry["sha256"], tmp))
+                    stage(f"blob {entry['path']}")
+                for sha256, tmp in staged:  # every file matched its record: store them
+                    self._place_blob(sha256, tmp)
+                stage("blobs")
+                version = self._next_version(ref)
+                record = publication.record(version)
+                self._commit_record(ref.at(version), record, staging)
             stage("record")
             self._write_index()
             stage("index")
@@ -134,27 +230,28 @@ class LocalRegistry:
         log.info("published %s", ref.at(version))
         return record
 
-    def _store_blob(self, engine_dir: Path, entry: dict[str, Any], staging: Path) -> None:
-        source = engine_dir / str(entry["path"])
-        expected = str(entry.get("sha256", ""))
-        if not source.is_file():
-            raise RegistryError(f"{source} is missing: the run folder no longer holds the engine it recorded")
-        blob = self._blob(expected)
-        if blob.is_file():  # content-addressed: the same bytes are stored already
-            return
-        tmp = staging / f"{os.getpid()}.{uuid.uuid4().hex}"
-        try:
-            actual = copy_hashed(source, tmp)
-            if actual != expected:
-                raise RegistryError(
-                    f"{source} changed since the run recorded it (sha256 {actual[:12]}, manifest says "
-                    f"{expected[:12]}); rebuild it rather than publish it"
-                )
-            os.chmod(tmp, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+    def _place_blob(self, sha256: str, staged: Path) -> None:
+        """Store a staged file (its sha256 checked) as the blob of that name. A blob already there
+        is hashed: kept when it matches its name, else reported and replaced, never reused."""
+        blob = self._blob(sha256)
+        if blob.is_file() and not blob.is_symlink():
+            try:
+                actual = sha256_file(blob)
+            except OSError as exc:
+                actual = f"unreadable ({exc.strerror or exc})"
+            if actual == sha256:
+                return  # content-addressed: the same bytes are stored already
+            log.warning(
+                "blob %s was corrupt (content hashes to %s); replaced it with the run's copy", blob, actual
+            )
+        elif blob.exists() or blob.is_symlink():
+            log.warning("blob %s was not a regular file; replaced it with the run's copy", blob)
+        with _writing(f"blob {blob}"):
+            os.chmod(staged, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
             blob.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, blob)
-        finally:
-            tmp.unlink(missing_ok=True)
+            if blob.is_dir() and not blob.is_symlink():
+                raise IsADirectoryError(21, "a folder stands where the blob goes", str(blob))
+            os.replace(staged, blob)
 
     def _next_version(self, ref: Ref) -> int:
         folder = self._versions_dir(ref)
@@ -163,9 +260,9 @@ class LocalRegistry:
 
     def _commit_record(self, ref: Ref, record: dict[str, Any], staging: Path) -> None:
         final = self._versions_dir(ref) / f"{ref.selector}.json"
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = staging / f"{os.getpid()}.{uuid.uuid4().hex}.json"
-        try:
+        tmp = staging / unique_name("record")
+        with _writing(f"the version record {final}"):
+            final.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
             os.chmod(tmp, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
             with open(tmp, "rb") as handle:
@@ -174,13 +271,43 @@ class LocalRegistry:
                 os.link(tmp, final)  # never replaces: a version, once there, is immutable
             except FileExistsError:
                 raise RegistryError(f"{ref} exists already; versions are never overwritten") from None
-        finally:
-            tmp.unlink(missing_ok=True)
+            finally:
+                tmp.unlink(missing_ok=True)
 
     # -- read ---------------------------------------------------------------------------------
 
+    def _read_record(self, path: Path) -> dict[str, Any]:
+        """A version record, checked: it must be what a publish wrote, at the place it names."""
+        try:
+            record = check_record(load_json(path, "a version record"), str(path))
+            model, recipe, target = path.parent.relative_to(self.root / "versions").parts
+            found = (record["model"], record["recipe"], record["target"], str(record["version"]))
+            if found != (model, recipe, target, path.stem):
+                raise RegistryError(
+                    f"{path}: the record is of {'/'.join(found[:3])}@{found[3]}, not of where it is stored"
+                )
+        except RegistryIOError:
+            raise
+        except RegistryError as exc:
+            raise RegistryError(f"{exc} (a malformed version record: restore it from a backup)") from None
+        return record
+
+    def _read_channel(self, path: Path) -> dict[str, Any] | None:
+        if not path.is_file():
+            return None
+        try:
+            return check_channel_file(load_json(path, "a channel"), str(path))
+        except RegistryIOError:
+            raise
+        except RegistryError as exc:
+            raise RegistryError(
+                f"{exc} (a malformed channel: restore it, or delete it to start its history afresh)"
+            ) from None
+
     def resolve(self, ref: Ref) -> dict[str, Any]:
         """The record of the version ``ref`` names (a number, a channel, or the latest)."""
+        if self._state() == "absent":
+            raise RegistryError(f"nothing is published as {ref.at(None)}: {self.root} holds no registry yet")
         folder = self._versions_dir(ref)
         if not folder.is_dir():
             known = sorted(p.name for p in folder.parent.glob("*")) if folder.parent.is_dir() else []
@@ -190,28 +317,56 @@ class LocalRegistry:
         if version is None:
             version = self._next_version(ref) - 1
         elif isinstance(version, str):
-            channel = self._channel_file(ref, version)
-            if not channel.is_file():
+            channel = self._read_channel(self._channel_file(ref, version))
+            if channel is None:
                 raise RegistryError(f"channel {version} of {ref.at(None)} points at no version yet")
-            version = int(json.loads(channel.read_text())["version"])
+            version = channel["version"]
         path = folder / f"{version}.json"
         if not path.is_file():
             raise RegistryError(f"{ref.at(version)} does not exist (latest: {self._next_version(ref) - 1})")
-        return json.loads(path.read_text())
+        return self._read_record(path)
+
+    def _scan_records(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """(the well-formed version records, a problem line naming each malformed one)."""
+        records: list[dict[str, Any]] = []
+        problems: list[str] = []
+        for path in sorted((self.root / "versions").glob("*/*/*/*.json")):
+            if not path.stem.isdigit():
+                continue
+            try:
+                records.append(self._read_record(path))
+            except RegistryError as exc:
+                problems.append(f"{exc}; skipped")
+        return records, problems
 
     def _records(self) -> Iterator[dict[str, Any]]:
-        for path in sorted((self.root / "versions").glob("*/*/*/*.json")):
-            if path.stem.isdigit():
-                yield json.loads(path.read_text())
+        yield from self._scan_records()[0]
 
-    def _channels(self) -> dict[str, dict[str, int]]:
+    def _scan_channels(self) -> tuple[dict[str, dict[str, int]], list[str]]:
         channels: dict[str, dict[str, int]] = {}
+        problems: list[str] = []
         for path in sorted((self.root / "channels").glob("*/*/*/*.json")):
             key = "/".join(path.parent.relative_to(self.root / "channels").parts)
-            channels.setdefault(key, {})[path.stem] = int(json.loads(path.read_text())["version"])
-        return channels
+            if path.stem not in CHANNEL_NAMES:
+                problems.append(f"{path}: {path.stem!r} is not a channel; skipped")
+                continue
+            try:
+                channel = self._read_channel(path)
+            except RegistryError as exc:
+                problems.append(f"{exc}; skipped")
+                continue
+            if channel is not None:
+                channels.setdefault(key, {})[path.stem] = channel["version"]
+        return channels, problems
 
-    def _scan(self) -> dict[str, Any]:
+    def _channels(self) -> dict[str, dict[str, int]]:
+        return self._scan_channels()[0]
+
+    def _scan(self, problems: list[str] | None = None) -> dict[str, Any]:
+        records, bad_records = self._scan_records()
+        channels, bad_channels = self._scan_channels()
+        if problems is not None:
+            problems += bad_records + bad_channels
         versions = [
             {
                 "model": r["model"],
@@ -219,32 +374,39 @@ class LocalRegistry:
                 "target": r["target"],
                 "version": r["version"],
                 "published_at": r["published_at"],
-                "verdict": (r.get("gate") or {}).get("verdict"),
-                "forced": r.get("forced"),
+                "verdict": r["gate"]["verdict"],
+                "forced": r["forced"],
                 "engine_digest": r["engine"].get("digest"),
                 "bytes": sum(int(f["bytes"]) for f in r["engine"]["files"]),
             }
-            for r in self._records()
+            for r in records
         ]
         versions.sort(key=lambda v: (v["model"], v["recipe"], v["target"], v["version"]))
-        return {"schema": RECORD_SCHEMA, "versions": versions, "channels": self._channels()}
+        return {"schema": RECORD_SCHEMA, "versions": versions, "channels": channels}
 
     def _write_index(self) -> dict[str, Any]:
         index = self._scan()
-        self.root.mkdir(parents=True, exist_ok=True)
-        write_json(self.root / "index.json", index)
+        with _writing(f"the index {self.root / 'index.json'}"):
+            write_json(self.root / "index.json", index)
         return index
 
+    def _stored_index(self) -> Any:
+        try:
+            return json.loads((self.root / "index.json").read_text())
+        except (OSError, ValueError):
+            return None  # missing or unreadable: stale, rebuilt by the next writer or verify
+
     def index(self) -> dict[str, Any]:
-        """Every version and channel. The stored index is checked against the version and
-        channel files and rebuilt when a writer stopped between the two."""
-        path = self.root / "index.json"
-        scanned = self._scan()
-        stored = json.loads(path.read_text()) if path.is_file() else None
-        if stored != scanned and self.root.is_dir():
-            with self._locked():
-                scanned = self._write_index()
-        return scanned
+        """Every version and channel, read from the version and channel files (the truth; the
+        stored ``index.json`` is rewritten by writers and ``verify``, never here: readers do not
+        write). A malformed version or channel file is skipped with a warning naming it."""
+        if self._state() == "absent":
+            return {"schema": RECORD_SCHEMA, "versions": [], "channels": {}}
+        problems: list[str] = []
+        index = self._scan(problems)
+        for problem in problems:
+            log.warning("%s", problem)
+        return index
 
     # -- pull ---------------------------------------------------------------------------------
 
@@ -269,8 +431,13 @@ class LocalRegistry:
                 if not blob.is_file():
                     raise RegistryError(f"{name}: blob {entry['sha256']} ({rel}) is missing from {self.root}")
                 target = staging / ENGINE_DIR / rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                actual = copy_hashed(blob, target)
+                try:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    actual = copy_hashed(blob, target)
+                except OSError as exc:
+                    if exc.filename is not None and Path(exc.filename) == blob:
+                        raise RegistryIOError(f"cannot read blob {blob}: {describe(exc)}") from None
+                    raise RegistryIOError(f"cannot write the pulled folder {to}: {describe(exc)}") from None
                 if actual != entry["sha256"]:
                     raise RegistryError(
                         f"{name}: blob {entry['sha256']} ({rel}) is corrupt (its content hashes to "
@@ -283,6 +450,7 @@ class LocalRegistry:
     def promote(self, ref: Ref, channel: str, reason: str | None = None) -> dict[str, Any]:
         """Point ``channel`` at the version ``ref`` names (its history keeps where it pointed)."""
         check_channel(channel)
+        self.resolve(ref)  # refuses a missing registry or version before anything is written
         with self._locked():
             record = self.resolve(ref)
             moved = self._move_channel(ref.at(record["version"]), channel, reason or "promoted")
@@ -291,60 +459,99 @@ class LocalRegistry:
 
     def _move_channel(self, ref: Ref, channel: str, reason: str) -> dict[str, Any]:
         path = self._channel_file(ref, channel)
-        current = json.loads(path.read_text()) if path.is_file() else {"history": []}
+        current = self._read_channel(path) or {"history": []}
         entry = {"version": ref.selector, "at": now(), "reason": reason}
         moved = {"version": ref.selector, "history": [*current["history"], entry]}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, moved)
+        with _writing(f"channel {channel} ({path})"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(path, moved)
         return moved
 
     def channel_history(self, ref: Ref, channel: str) -> list[dict[str, Any]]:
-        path = self._channel_file(ref, check_channel(channel))
-        return json.loads(path.read_text())["history"] if path.is_file() else []
+        if self._state() == "absent":
+            return []
+        current = self._read_channel(self._channel_file(ref, check_channel(channel)))
+        return current["history"] if current else []
 
     # -- maintenance --------------------------------------------------------------------------
 
     def verify(self) -> list[str]:
-        """Every problem found: a blob whose content does not hash to its name (with the versions
-        using it), a version whose blob is missing, a channel pointing at no version. Also
-        rebuilds a stale index (not a problem: the version files are the truth)."""
+        """Every problem found: a malformed version record or channel file (by path), a blob
+        whose content does not hash to its name (with the versions using it), a version whose
+        blob is missing, a channel pointing at no version. Also rebuilds a stale or unreadable
+        index (not a problem: the version files are the truth). Refused on a folder that holds
+        no registry."""
+        self._require()
         problems: list[str] = []
+        records, bad_records = self._scan_records()
+        problems += bad_records
         users: dict[str, list[str]] = {}
-        for record in self._records():
+        for record in records:
             name = f"{record['model']}/{record['recipe']}/{record['target']}@{record['version']}"
             for entry in record["engine"]["files"]:
                 users.setdefault(entry["sha256"], []).append(f"{name} ({entry['path']})")
                 if not self._blob(entry["sha256"]).is_file():
                     problems.append(f"{name}: blob {entry['sha256']} ({entry['path']}) is missing")
         for blob in sorted((self.root / "blobs" / "sha256").glob("*/*")):
-            actual = sha256_file(blob)
+            used = ", ".join(users.get(blob.name, [])) or "no version"
+            if not SHA256.fullmatch(blob.name) or blob.parent.name != blob.name[:2]:
+                problems.append(f"{blob} is not a blob this registry writes (name or folder); used by {used}")
+                continue
+            if blob.is_symlink() or not blob.is_file():
+                problems.append(f"blob {blob.name} is not a regular file; used by {used}")
+                continue
+            try:
+                actual = sha256_file(blob)
+            except OSError as exc:
+                problems.append(f"blob {blob.name} is unreadable ({exc.strerror or exc}); used by {used}")
+                continue
             if actual != blob.name:
-                used = ", ".join(users.get(blob.name, [])) or "no version"
                 problems.append(f"blob {blob.name} is corrupt (content hashes to {actual}); used by {used}")
-        for key, channels in self._channels().items():
-            for channel, version in channels.items():
+        channels, bad_channels = self._scan_channels()
+        problems += bad_channels
+        for key, pointers in channels.items():
+            for channel, version in pointers.items():
                 if not (self.root / "versions" / key / f"{version}.json").is_file():
                     problems.append(f"channel {channel} of {key} points at missing version {version}")
-        if self.root.is_dir():
-            self.index()
+        if self._stored_index() != self._scan():
+            try:
+                with self._locked():
+                    self._write_index()
+            except RegistryIOError as exc:
+                log.warning("the stale index was not rebuilt: %s", exc)
         return problems
 
     def gc(self) -> dict[str, int]:
-        """Remove what no version references: staging leftovers of killed publishers or pulls
-        and blobs stored by a publish that never committed its record."""
-        with self._locked():  # no publish is running: every staging file and orphan is garbage
-            staging = self.root / ".staging"
-            leftovers = list(staging.iterdir()) if staging.is_dir() else []
-            for path in leftovers:
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
-            used = {e["sha256"] for r in self._records() for e in r["engine"]["files"]}
+        """Remove what no version references: staging leftovers of killed publishers and blobs
+        stored by a publish that never committed its record. While any version record is
+        malformed no blob is removed (that record may use it); it is named in a warning."""
+        self._require()
+        with self._locked():  # no publish is running: every staging folder left is abandoned
+            with _writing(f"the staging folder {self.root / '.staging'}"):
+                leftovers = remove_abandoned(self.root / ".staging")
+            records, bad_records = self._scan_records()
+            used = {e["sha256"] for r in records for e in r["engine"]["files"]}
             orphans = [b for b in (self.root / "blobs" / "sha256").glob("*/*") if b.name not in used]
+            if bad_records:  # what they reference is unknown: removing a blob could lose a version
+                for problem in bad_records:
+                    log.warning("%s", problem)
+                if orphans:
+                    log.warning(
+                        "kept %d unreferenced blobs: %d version records are malformed (above) and may "
+                        "use them; restore or delete those records, then run gc again",
+                        len(orphans),
+                        len(bad_records),
+                    )
+                orphans = []
             freed = 0
+            removed = 0
             for blob in orphans:
-                freed += blob.stat().st_size
-                blob.unlink()
+                if blob.is_dir() and not blob.is_symlink():
+                    log.warning("%s is a folder, not a blob; left in place", blob)
+                    continue
+                with _writing(f"(removing) blob {blob}"):
+                    freed += blob.lstat().st_size
+                    blob.unlink()
+                removed += 1
             self._write_index()
-        return {"staging_files": len(leftovers), "orphan_blobs": len(orphans), "bytes_freed": freed}
+        return {"staging_files": len(leftovers), "orphan_blobs": removed, "bytes_freed": freed}

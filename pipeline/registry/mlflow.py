@@ -26,12 +26,15 @@ from pipeline.artifacts import sha256_file, write_json
 from pipeline.registry.records import (
     ENGINE_DIR,
     MANIFEST_FILE,
+    check_history,
+    check_record,
     check_tensorrt,
-    copy_hashed,
+    load_json,
     now,
     prepare_publication,
     pulled_folder,
     safe_relative,
+    stage_file,
 )
 from pipeline.registry.refs import Ref, RegistryError, check_channel
 
@@ -89,25 +92,19 @@ class MlflowRegistry:
         recipe: str,
         channel: str | None = None,
         force: str | None = None,
+        manifest: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """As :meth:`LocalRegistry.publish`, into MLflow."""
-        publication = prepare_publication(run_dir, model, recipe, channel, force)
+        """As :meth:`LocalRegistry.publish`, into MLflow (the same checks of the run's record and
+        engine folder; every file hashed as it is staged)."""
+        publication = prepare_publication(run_dir, model, recipe, channel, force, manifest)
         ref = publication.ref
         name = model_name(ref)
         with tempfile.TemporaryDirectory(prefix="publish-") as tmp:
             staged = Path(tmp) / ENGINE_DIR
             for entry in publication.files:
-                source = publication.engine_dir / str(entry["path"])
-                if not source.is_file():
-                    raise RegistryError(
-                        f"{source} is missing: the run folder no longer holds the engine it recorded"
-                    )
                 target = staged / entry["path"]
                 target.parent.mkdir(parents=True, exist_ok=True)
-                if copy_hashed(source, target) != entry["sha256"]:
-                    raise RegistryError(
-                        f"{source} changed since the run recorded it; rebuild it rather than publish it"
-                    )
+                stage_file(publication.engine_dir / entry["path"], target, entry)
             write_json(Path(tmp) / MANIFEST_FILE, publication.manifest)
             experiment = self._experiment_id()
             run = self._call(
@@ -196,7 +193,15 @@ class MlflowRegistry:
         return list(self._call("list versions", self.client.search_model_versions, f"name='{name}'"))
 
     def _record(self, version: Any, with_manifest: bool = True) -> dict[str, Any]:
-        record = json.loads(version.tags[f"{TAG}.record"])
+        """The version record from its tags (and the manifest artifact), checked like a local
+        record: a malformed one is a one-line error naming the version."""
+        where = f"MLflow model version {version.name} {version.version}"
+        try:
+            record = json.loads(version.tags[f"{TAG}.record"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RegistryError(f"{where}: its {TAG}.record tag is missing or not JSON ({exc})") from None
+        if not isinstance(record, dict):
+            raise RegistryError(f"{where}: its {TAG}.record tag is not an object")
         record["version"] = int(version.version)
         record["run_id"] = version.run_id
         if with_manifest:
@@ -204,8 +209,8 @@ class MlflowRegistry:
                 path = self._call(
                     "download manifest", self.client.download_artifacts, version.run_id, MANIFEST_FILE, tmp
                 )
-                record["manifest"] = json.loads(Path(path).read_text())
-        return record
+                record["manifest"] = load_json(Path(path), f"the manifest of {where}")
+        return check_record(record, where, with_manifest)
 
     def resolve(self, ref: Ref) -> dict[str, Any]:
         return self._record(self._version(ref))
@@ -217,7 +222,11 @@ class MlflowRegistry:
                 continue
             key = registered.name.replace(SEPARATOR, "/")
             for version in self._versions(registered.name):
-                record = self._record(version, with_manifest=False)
+                try:
+                    record = self._record(version, with_manifest=False)
+                except RegistryError as exc:
+                    log.warning("%s; skipped", exc)
+                    continue
                 versions.append(
                     {
                         "model": record["model"],
@@ -291,13 +300,24 @@ class MlflowRegistry:
     def channel_history(self, ref: Ref, channel: str) -> list[dict[str, Any]]:
         check_channel(channel)
         registered = self._call("get model", self.client.get_registered_model, model_name(ref))
-        return json.loads(registered.tags.get(f"{TAG}.history.{channel}", "[]"))
+        where = f"MLflow model {registered.name}: tag {TAG}.history.{channel}"
+        try:
+            history = json.loads(registered.tags.get(f"{TAG}.history.{channel}", "[]"))
+        except ValueError as exc:
+            raise RegistryError(f"{where} is not JSON ({exc})") from None
+        return check_history(history, where)
 
     # -- maintenance --------------------------------------------------------------------------
 
     def verify(self) -> list[str]:
         """Every version's files downloaded and hashed: the problems found, one line each."""
         problems = []
+        for registered in self._call("list models", self.client.search_registered_models):
+            for version in self._versions(registered.name) if f"{TAG}.model" in registered.tags else []:
+                try:
+                    self._record(version, with_manifest=False)
+                except RegistryError as exc:
+                    problems.append(f"{exc}; skipped")
         for entry in self.index()["versions"]:
             ref = Ref(entry["model"], entry["recipe"], entry["target"], entry["version"])
             version = self._version(ref)

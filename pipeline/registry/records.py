@@ -9,33 +9,142 @@ import hashlib
 import json
 import os
 import platform
-import shutil
-import uuid
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
-from pipeline.artifacts import write_json
-from pipeline.registry.refs import Ref, RegistryError, check_channel
+from pipeline.artifacts import sha256_file, write_json
+from pipeline.errors import first_line
+from pipeline.registry.refs import Ref, RegistryError, RegistryIOError, check_channel, check_name
+from pipeline.staging import owned_folder, remove_abandoned, unique_name
 
 RECORD_SCHEMA = 1
 MANIFEST_FILE = "manifest.json"  # the run record, in a run folder and in a pulled folder
 ENGINE_DIR = "engine"
 _CHUNK = 1 << 20
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
-def safe_relative(path: str, where: str) -> PurePosixPath:
+def safe_relative(path: Any, where: str) -> PurePosixPath:
     """A file path from a manifest, refused if it could leave the folder it belongs to."""
+    if not isinstance(path, str):
+        raise RegistryError(f"{where}: file path {path!r} is not a string; refusing it")
     rel = PurePosixPath(path)
-    if not path or rel.is_absolute() or ".." in rel.parts or "\\" in path:
+    if not path or rel.is_absolute() or ".." in rel.parts or "\\" in path or "\0" in path or not rel.parts:
         raise RegistryError(f"{where}: file path {path!r} leaves the engine folder; refusing it")
     return rel
+
+
+def check_sha256(value: Any, where: str) -> str:
+    """A sha256 as the registry stores it: 64 lowercase hex characters (it names a blob file)."""
+    if not isinstance(value, str) or not SHA256.fullmatch(value):
+        raise RegistryError(f"{where}: sha256 {value!r} is not 64 lowercase hex characters; refusing it")
+    return value
+
+
+def check_bytes(value: Any, where: str) -> int:
+    """A file size: a non-negative integer (``true`` is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RegistryError(f"{where}: bytes {value!r} is not a non-negative integer; refusing it")
+    return value
+
+
+def check_files(files: Any, where: str) -> list[dict[str, Any]]:
+    """The engine file list of a manifest or record: a non-empty list of ``{path, sha256, bytes}``
+    with safe, distinct paths. Returns the entries with just those three keys."""
+    if not isinstance(files, list) or not files:
+        raise RegistryError(f"{where} lists no engine files (engine.files must be a non-empty list)")
+    checked: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for entry in files:
+        if not isinstance(entry, dict):
+            raise RegistryError(f"{where}: engine file entry {entry!r} is not an object; refusing it")
+        rel = safe_relative(entry.get("path"), where)
+        name = f"{where}: {rel}"
+        if rel.as_posix() in seen:
+            raise RegistryError(f"{name} is listed twice; refusing it")
+        seen.add(rel.as_posix())
+        checked.append(
+            {
+                "path": rel.as_posix(),
+                "sha256": check_sha256(entry.get("sha256"), name),
+                "bytes": check_bytes(entry.get("bytes"), name),
+            }
+        )
+    return checked
+
+
+def engine_folder(run_dir: Path, path: Any, where: str) -> Path:
+    """The engine folder a manifest names (``engine.path``): a relative path that stays inside the
+    run folder once symlinks are resolved."""
+    path = ENGINE_DIR if path is None else path
+    rel = PurePosixPath(path) if isinstance(path, str) else None
+    inside = run_dir.resolve()
+    if rel is None or not path or rel.is_absolute() or ".." in rel.parts or "\\" in path or not rel.parts:
+        raise RegistryError(f"{where}: engine.path {path!r} is not a folder inside {run_dir}; refusing it")
+    folder = run_dir / rel
+    if not folder.resolve().is_relative_to(inside) or folder.resolve() == inside:
+        raise RegistryError(f"{where}: engine.path {path!r} leads out of {run_dir}; refusing it")
+    if not folder.is_dir():
+        raise RegistryError(f"{folder} is missing: the run folder no longer holds the engine it recorded")
+    return folder
+
+
+def check_engine_layout(engine_dir: Path, files: list[dict[str, Any]], where: str) -> None:
+    """Every listed file is a regular file inside ``engine_dir`` (a symlink leading out is
+    refused) and the folder holds nothing the manifest does not list."""
+    inside = engine_dir.resolve()
+    for entry in files:
+        path = engine_dir / entry["path"]
+        if not path.exists():
+            raise RegistryError(
+                f"{path} is missing: the run folder no longer holds the engine file {where} lists"
+            )
+        real = path.resolve()
+        if not real.is_relative_to(inside):
+            raise RegistryError(f"{path} leads out of the engine folder (to {real}); refusing it")
+        if not real.is_file():
+            raise RegistryError(f"{path} is not a regular file; refusing it")
+    listed = {entry["path"] for entry in files}
+    present: list[str] = []
+    for folder, dirs, names in os.walk(engine_dir):
+        rel = Path(folder).relative_to(engine_dir)
+        present += [(rel / d).as_posix() + "/" for d in dirs if (Path(folder) / d).is_symlink()]
+        present += [(rel / n).as_posix() for n in names]
+    extra = sorted(p for p in present if p not in listed)
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise RegistryError(
+            f"{engine_dir / extra[0]}{more} is not listed in {where}: the engine folder changed since "
+            "the run; rebuild it rather than use it"
+        )
+
+
+def check_engine_folder(engine_dir: Path, files: list[dict[str, Any]], where: str) -> dict[str, str]:
+    """:func:`check_engine_layout`, then every file hashed against the manifest. Returns the
+    sha256 of each file by path (what :func:`pipeline.artifacts.folder_digest` is made of)."""
+    check_engine_layout(engine_dir, files, where)
+    digests: dict[str, str] = {}
+    for entry in files:
+        path = engine_dir / entry["path"]
+        try:
+            actual = sha256_file(path)
+        except OSError as exc:
+            raise RegistryError(f"{path} is unreadable ({exc.strerror or exc})") from None
+        if actual != entry["sha256"]:
+            raise RegistryError(
+                f"{path} changed since the run recorded it (sha256 {actual[:12]}, {where} says "
+                f"{entry['sha256'][:12]}); rebuild it rather than use it"
+            )
+        digests[entry["path"]] = actual
+    return digests
 
 
 def copy_hashed(source: Path, target: Path) -> str:
@@ -46,6 +155,104 @@ def copy_hashed(source: Path, target: Path) -> str:
             digest.update(chunk)
             writer.write(chunk)
     return digest.hexdigest()
+
+
+def stage_file(source: Path, target: Path, entry: dict[str, Any]) -> None:
+    """Copy an engine file to be published to ``target``, hashing it on the way: refused unless
+    the bytes are the ones the run recorded (sha256 and size)."""
+    try:
+        actual = copy_hashed(source, target)
+    except FileNotFoundError:
+        raise RegistryError(
+            f"{source} is missing: the run folder no longer holds the engine it recorded"
+        ) from None
+    except OSError as exc:
+        if exc.filename is not None and Path(exc.filename) == source:
+            raise RegistryError(f"{source} is unreadable ({exc.strerror or exc})") from None
+        raise RegistryIOError(f"cannot stage {source} into {target}: {exc.strerror or exc}") from None
+    if actual != entry["sha256"]:
+        raise RegistryError(
+            f"{source} changed since the run recorded it (sha256 {actual[:12]}, manifest says "
+            f"{entry['sha256'][:12]}); rebuild it rather than publish it"
+        )
+    size = target.stat().st_size
+    if size != entry["bytes"]:
+        raise RegistryError(f"{source} holds {size} bytes, its manifest says {entry['bytes']}; refusing it")
+
+
+def load_json(path: Path, what: str) -> Any:
+    """A JSON file, or a one-line :class:`RegistryError` naming it."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RegistryError(f"{path} is missing ({what})") from None
+    except OSError as exc:
+        raise RegistryIOError(f"cannot read {path} ({what}): {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RegistryError(f"{path} is not valid JSON ({what}: {first_line(exc)})") from None
+
+
+def _typed(record: dict[str, Any], key: str, types: type | tuple[type, ...], where: str) -> Any:
+    if key not in record:
+        raise RegistryError(f"{where}: {key} is missing")
+    value = record[key]
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
+        raise RegistryError(f"{where}: {key} {value!r} has the wrong type")
+    return value
+
+
+def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def check_record(record: Any, where: str, with_manifest: bool = True) -> dict[str, Any]:
+    """A stored version record, checked before anything reads it: the names, version, gate,
+    engine files (paths, sha256, bytes) and, ``with_manifest``, the run manifest inside."""
+    if not isinstance(record, dict):
+        raise RegistryError(f"{where}: a version record must be a JSON object, not {type(record).__name__}")
+    for key in ("model", "recipe", "target"):
+        _typed(record, key, str, where)
+        check_name(key, record[key])
+    version = _typed(record, "version", int, where)
+    if version < 1:
+        raise RegistryError(f"{where}: version {version} is not a version number")
+    _typed(record, "published_at", str, where)
+    _typed(record, "forced", (str, type(None)), where)
+    gate = _typed(record, "gate", dict, where)
+    if not isinstance(gate.get("verdict"), str):
+        raise RegistryError(f"{where}: gate.verdict {gate.get('verdict')!r} is not a string")
+    engine = _typed(record, "engine", dict, where)
+    check_files(engine.get("files"), where)
+    if not isinstance(engine.get("digest"), (str, type(None))):
+        raise RegistryError(f"{where}: engine.digest {engine.get('digest')!r} is not a string")
+    if not isinstance(engine.get("tensorrt"), (dict, type(None))):
+        raise RegistryError(f"{where}: engine.tensorrt {engine.get('tensorrt')!r} is not an object")
+    if with_manifest:
+        _typed(record, "manifest", dict, where)
+    return record
+
+
+def check_channel_file(data: Any, where: str) -> dict[str, Any]:
+    """A stored channel: the version it points at and its history of moves."""
+    if not isinstance(data, dict):
+        raise RegistryError(f"{where}: a channel must be a JSON object, not {type(data).__name__}")
+    version = _typed(data, "version", int, where)
+    if version < 1:
+        raise RegistryError(f"{where}: version {version} is not a version number")
+    check_history(_typed(data, "history", list, where), where)
+    return data
+
+
+def check_history(history: Any, where: str) -> list[dict[str, Any]]:
+    """A channel's history: moves ``{version, at, reason}``, oldest first."""
+    if not isinstance(history, list):
+        raise RegistryError(f"{where}: the channel history must be a list")
+    for move in history:
+        if not isinstance(move, dict):
+            raise RegistryError(f"{where}: history entry {move!r} is not an object")
+        _typed(move, "version", int, f"{where}: history")
+        _typed(move, "at", str, f"{where}: history")
+    return history
 
 
 @dataclass
@@ -84,20 +291,40 @@ class Publication:
         }
 
 
-def prepare_publication(
-    run_dir: Path | str, model: str, recipe: str, channel: str | None, force: str | None
-) -> Publication:
-    """Check a run folder before anything is stored: a manifest, a PASS (or a forced reason), an
-    engine target, files whose paths stay inside the engine folder."""
-    run_dir = Path(run_dir)
+def load_manifest(run_dir: Path) -> dict[str, Any]:
+    """``run_dir/manifest.json``, read for ``python -m pipeline.registry publish``."""
     path = run_dir / MANIFEST_FILE
     if not path.is_file():
         raise RegistryError(f"{run_dir} holds no {MANIFEST_FILE}: publish a folder a pipeline run wrote")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise RegistryError(f"{path} is unreadable ({exc})") from None
+    manifest = load_json(path, "the run record")
+    if not isinstance(manifest, dict):
+        raise RegistryError(f"{path} is not a run record (a JSON object): publish a run folder")
+    return manifest
+
+
+def prepare_publication(
+    run_dir: Path | str,
+    model: str,
+    recipe: str,
+    channel: str | None,
+    force: str | None,
+    manifest: dict[str, Any] | None = None,
+) -> Publication:
+    """Check a run folder before anything is stored: a manifest (the one given, the run's own
+    record, else ``run_dir/manifest.json``), a PASS (or a forced reason), an engine target, files
+    whose paths, sha256 and sizes are well-formed, and an engine folder inside the run folder
+    holding exactly the files listed (their bytes are hashed as they are stored)."""
+    run_dir = Path(run_dir)
+    where = str(run_dir / MANIFEST_FILE)
+    if manifest is None:
+        manifest = load_manifest(run_dir)
+    elif not isinstance(manifest, dict):
+        raise RegistryError(f"{where}: the run record is not an object; refusing it")
+    else:
+        where = f"the run record of {run_dir}"
     gate = manifest.get("gate") or {}
+    if not isinstance(gate, dict):
+        raise RegistryError(f"{where}: gate {gate!r} is not an object; refusing it")
     verdict = gate.get("verdict", "not-run")
     if force is not None and not str(force).strip():
         raise RegistryError("--force needs a reason (it is recorded with the version)")
@@ -107,18 +334,21 @@ def prepare_publication(
             "only a PASS is published (force it with a reason: --force '<why>')"
         )
     engine = manifest.get("engine") or {}
+    if not isinstance(engine, dict):
+        raise RegistryError(f"{where}: engine {engine!r} is not an object; refusing it")
     if not engine.get("target"):
-        raise RegistryError(f"{path} names no engine target")
-    ref = Ref(model, recipe, engine["target"])
+        raise RegistryError(f"{where} names no engine target")
+    ref = Ref(model, recipe, check_name("engine.target", engine["target"]))
     if channel is not None:
         check_channel(channel)
-    files = engine.get("files") or []
-    if not files:
-        raise RegistryError(f"{path} lists no engine files")
-    for entry in files:
-        safe_relative(str(entry.get("path", "")), str(path))
+    files = check_files(engine.get("files"), where)
+    if not isinstance(engine.get("digest"), (str, type(None))):
+        raise RegistryError(f"{where}: engine.digest {engine.get('digest')!r} is not a string")
+    if not isinstance(engine.get("tensorrt"), (dict, type(None))):
+        raise RegistryError(f"{where}: engine.tensorrt {engine.get('tensorrt')!r} is not an object")
+    engine_dir = engine_folder(run_dir, engine.get("path"), where)
+    check_engine_layout(engine_dir, files, where)
     forced = None if verdict == "PASS" else str(force)
-    engine_dir = run_dir / str(engine.get("path") or ENGINE_DIR)
     return Publication(run_dir, manifest, ref, engine_dir, files, channel, forced)
 
 
@@ -139,28 +369,43 @@ def check_tensorrt(record: dict[str, Any], tensorrt_version: str | None, gpu_arc
 
 @contextmanager
 def pulled_folder(to: Path | str, record: dict[str, Any]) -> Iterator[Path]:
-    """A staging folder beside ``to`` for a backend to fill with ``engine/``; on success the
-    pulled ``manifest.json`` is added and it becomes ``to`` in one rename, else it is removed."""
+    """A staging folder beside ``to`` (owned through a lock, ``pipeline/staging.py``) for a
+    backend to fill with ``engine/``; on success the pulled ``manifest.json`` is added and it
+    becomes ``to`` in one rename, else it is removed (on an error, Ctrl-C or SIGTERM; what a
+    SIGKILL leaves is removed by the next pull into the same folder)."""
     to = Path(to)
     if to.exists() and (not to.is_dir() or any(to.iterdir())):
         raise RegistryError(f"{to} exists and is not empty: pull into a new folder")
-    to.parent.mkdir(parents=True, exist_ok=True)
-    staging = to.parent / f".{to.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.pull"
+    prefix = f".{to.name}.pull"
+    filling = False  # an OSError while the backend fills it is the backend's to describe
     try:
-        staging.mkdir()
-        yield staging
-        write_json(staging / MANIFEST_FILE, pulled_manifest(record))
-        if to.is_dir():
-            to.rmdir()
-        os.rename(staging, to)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        to.parent.mkdir(parents=True, exist_ok=True)
+        remove_abandoned(to.parent, prefix + ".")
+        with owned_folder(to.parent / unique_name(prefix)) as staging:
+            filling = True
+            yield staging
+            filling = False
+            write_json(staging / MANIFEST_FILE, pulled_manifest(record))
+            if to.is_dir():
+                to.rmdir()
+            os.rename(staging, to)
+    except OSError as exc:
+        if filling:
+            raise
+        raise RegistryIOError(f"cannot write the pulled folder {to}: {describe(exc)}") from None
+
+
+def describe(exc: OSError) -> str:
+    """``<path>: <reason>`` of an OS error, for a one-line message."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    return f"{exc.filename}: {reason}" if exc.filename else reason
 
 
 def pulled_manifest(record: dict[str, Any]) -> dict[str, Any]:
     """The run manifest written into a pulled folder, saying where it came from."""
     manifest = dict(record["manifest"])
-    manifest["engine"] = {**manifest.get("engine", {}), "path": ENGINE_DIR}
+    engine = manifest.get("engine")
+    manifest["engine"] = {**(engine if isinstance(engine, dict) else {}), "path": ENGINE_DIR}
     manifest["registry"] = {k: record[k] for k in ("model", "recipe", "target", "version", "forced")}
     return manifest
 
@@ -178,6 +423,7 @@ class Registry(Protocol):
         recipe: str,
         channel: str | None = None,
         force: str | None = None,
+        manifest: dict[str, Any] | None = None,
     ) -> dict[str, Any]: ...
 
     def resolve(self, ref: Ref) -> dict[str, Any]: ...

@@ -19,6 +19,15 @@ DEFAULT_TARGET = "ort-cpu"
 class RegistryError(PipelineError):
     """A registry operation was refused: a bad name, a missing version, a failed gate, a corrupt blob."""
 
+    exit_code = 2  # a user mistake
+
+
+class RegistryIOError(RegistryError):
+    """The operating system refused a read or write (read-only registry, permission denied, disk
+    full): not the user's input, so the CLI exits with code 1."""
+
+    exit_code = 1
+
 
 def check_name(what: str, value: str) -> str:
     if not isinstance(value, str) or not NAME.fullmatch(value) or ".." in value:

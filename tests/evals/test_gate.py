@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,25 @@ def test_run_gate_scores_each_engine_once_and_caches(tmp_path: Path) -> None:
     assert len(calls) == 4 and again["suites"] == record["suites"]  # every score from the cache
     same = run_gate(base, base, **kwargs, cache_dir=None)
     assert same["verdict"] == PASS and same["same_engine"] and calls[4:] == [("base", "a"), ("base", "b")]
+
+
+@pytest.mark.parametrize("damage", ["{not json", "[1, 2]", '{"items": 3}', '{"items": [{"nope": 1}]}'])
+def test_a_broken_cached_score_record_is_rescored_not_a_traceback(tmp_path: Path, damage: str) -> None:
+    calls: list[str] = []
+
+    def score(engine: Path, suite: str) -> list[ItemScore]:
+        calls.append(engine.name)
+        return scores([1, 0] * 50, prefix=suite)
+
+    kwargs = dict(suites=["a"], thresholds={"a": GateThresholds()}, score_fn=score, settings={})
+    first = run_gate((tmp_path / "c", "d-c"), (tmp_path / "b", "d-b"), **kwargs, cache_dir=tmp_path)
+    records = sorted((tmp_path / "eval").glob("*.json"))
+    assert len(records) == 2 and calls == ["b", "c"]
+    records[0].write_text(damage)
+    again = run_gate((tmp_path / "c", "d-c"), (tmp_path / "b", "d-b"), **kwargs, cache_dir=tmp_path)
+    assert len(calls) == 3 and again["suites"] == first["suites"]  # the broken one scored again
+    assert all(json.loads(r.read_text())["items"] for r in records)  # and stored whole
+    assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == [r.name for r in records]
 
 
 def test_a_changed_suite_file_rescores_that_suite_only(tmp_path: Path) -> None:

@@ -47,3 +47,9 @@ def test_requires_an_exported_graph(tiny_graph: Artifact, tmp_path: Path) -> Non
     (bare / ARTIFACT_FILE).unlink()
     with pytest.raises(PassError, match="records no IO spec"):
         OrtCpuBuildPass().requires(Artifact.from_dir(Kind.GRAPH, bare))
+
+
+@pytest.mark.parametrize("knob", ["intra_op_num_threads", "max_length"])
+def test_negative_target_settings_are_refused_when_built(knob: str) -> None:
+    with pytest.raises(PassError, match=rf"^target\.{knob}=-3: must be 0 \(the default\) or more$"):
+        OrtCpuBuildPass(**{knob: -3})

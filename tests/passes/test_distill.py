@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,176 @@ def test_prune_then_distill_from_the_command_line(tiny_llama: Path, tmp_path: Pa
     assert [p["name"] for p in manifest["passes"]] == ["prune", "distill", "export", "build"]
     assert manifest["passes"][1]["metrics"]["loss_curve"][-1][0] == 3
     assert not list((tmp_path / "cache" / ".checkpoints").glob("*/*"))  # removed once cached
+
+
+KILLED_IN_STEP_FOUR = {"steps": 4, "checkpoint_every": 1}  # checkpoints after steps 1, 2, 3
+
+
+@pytest.fixture(scope="module")
+def killed(pruned: Artifact, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the checkpoint folder of a run killed in step 4, the weights of the uninterrupted run)."""
+    root = tmp_path_factory.mktemp("killed")
+    whole, _ = distill(pruned, root / "whole", root / "ckpt-whole", **KILLED_IN_STEP_FOUR)
+    calls = {"n": 0}
+    original = DistillPass._loss
+
+    def dies_in_step_four(self: DistillPass, *args: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 7:  # 2 micro-batches a step: the first of step 4
+            raise KeyboardInterrupt
+        return original(self, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DistillPass, "_loss", dies_in_step_four)
+        with pytest.raises(KeyboardInterrupt):
+            distill(pruned, root / "first", root / "ckpt", **KILLED_IN_STEP_FOUR)
+    return root / "ckpt", whole.path / "model.safetensors"
+
+
+def assert_same_weights(a_file: Path, b_file: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = load_file(a_file), load_file(b_file)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)
+
+
+def test_checkpoints_are_safetensors_and_json_and_only_the_last_two_are_kept(
+    killed: tuple[Path, Path],
+) -> None:
+    from safetensors.torch import load_file
+
+    checkpoints, _ = killed
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000002", "step-000003"]  # no staging
+    for folder in checkpoints.iterdir():
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "optimizer.safetensors",
+            "state.json",
+            "student.safetensors",
+        ]
+        state = json.loads((folder / "state.json").read_text())
+        assert state["state"]["step"] == int(folder.name[-6:])
+        assert state["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}  # tied: stored once
+        optimizer = load_file(folder / "optimizer.safetensors")
+        assert {"state.0.exp_avg", "state.0.exp_avg_sq", "state.0.step", "rng.torch"} <= optimizer.keys()
+
+
+def damage(folder: Path, how: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    student = folder / "student.safetensors"
+    if how == "truncated":
+        student.write_bytes(student.read_bytes()[:-1000])
+    elif how == "empty optimizer file":
+        (folder / "optimizer.safetensors").write_bytes(b"")
+    elif how == "bad json":
+        (folder / "state.json").write_text('{"format": 1, "config": ')
+    elif how == "json list":
+        (folder / "state.json").write_text("[1, 2]")
+    elif how == "renamed tensor":
+        tensors = load_file(student)
+        tensors["model.norm.renamed"] = tensors.pop("model.norm.weight")
+        save_file(tensors, student)
+    elif how == "wrong shape":
+        tensors = load_file(student)
+        tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1].clone()
+        save_file(tensors, student)
+    elif how == "optimizer shape":
+        tensors = load_file(folder / "optimizer.safetensors")
+        tensors["state.0.exp_avg"] = tensors["state.0.exp_avg"][:1].clone()
+        save_file(tensors, folder / "optimizer.safetensors")
+    elif how == "missing file":
+        (folder / "student.safetensors").unlink()
+    elif how == "data order out of range":
+        state = json.loads((folder / "state.json").read_text())
+        state["state"]["epoch_orders"][0][0] = 10**6  # would fail training at every rerun
+        (folder / "state.json").write_text(json.dumps(state))
+
+
+DAMAGES = [
+    "truncated",
+    "empty optimizer file",
+    "bad json",
+    "json list",
+    "renamed tensor",
+    "wrong shape",
+    "optimizer shape",
+    "missing file",
+    "data order out of range",
+]
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_an_unreadable_latest_checkpoint_falls_back_to_the_one_before(
+    pruned: Artifact, killed: tuple[Path, Path], tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    template, whole = killed
+    checkpoints = Path(shutil.copytree(template, tmp_path / "ckpt"))
+    damage(checkpoints / "step-000003", how)
+    with caplog.at_level("WARNING", logger="passes.distill"):
+        resumed, metrics = distill(pruned, tmp_path / "second", checkpoints, **KILLED_IN_STEP_FOUR)
+    assert metrics["resumed_from_step"] == 2
+    assert any("discarding checkpoint step-000003" in r.getMessage() for r in caplog.records)
+    assert_same_weights(whole, resumed.path / "model.safetensors")
+    # The damaged one was replaced by the rerun's own step 3.
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000002", "step-000003"]
+    assert json.loads((checkpoints / "step-000003" / "state.json").read_text())["state"]["step"] == 3
+
+
+def test_with_every_checkpoint_unreadable_it_starts_afresh(
+    pruned: Artifact, killed: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    template, whole = killed
+    checkpoints = Path(shutil.copytree(template, tmp_path / "ckpt"))
+    damage(checkpoints / "step-000003", "truncated")
+    damage(checkpoints / "step-000002", "bad json")
+    with caplog.at_level("WARNING", logger="passes.distill"):
+        fresh, metrics = distill(pruned, tmp_path / "again", checkpoints, **KILLED_IN_STEP_FOUR)
+    assert metrics["resumed_from_step"] == 0
+    assert sum("discarding checkpoint" in r.getMessage() for r in caplog.records) == 2
+    assert_same_weights(whole, fresh.path / "model.safetensors")
+
+
+def test_leftovers_are_removed_and_a_pickle_is_never_loaded(
+    pruned: Artifact, killed: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A staging folder of a killed save and a pickle of an earlier version: both are removed at
+    resume; unpickling the pickle would have created the marker."""
+    import os
+    import pathlib
+    import pickle
+    import signal
+    import subprocess
+    import sys
+
+    template, whole = killed
+    checkpoints = Path(shutil.copytree(template, tmp_path / "ckpt"))
+    marker = tmp_path / "MARKER"
+
+    class Touch:
+        def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+            return (pathlib.Path.touch, (pathlib.Path(marker),))
+
+    (checkpoints / "distill_state.pt").write_bytes(pickle.dumps(Touch()))
+    script = (
+        "import sys, time; from pathlib import Path; from pipeline.staging import owned_folder, unique_name\n"
+        "with owned_folder(Path(sys.argv[1]) / unique_name('.step-000004')) as f:\n"
+        "    (f / 'student.safetensors').write_bytes(b'half')\n"
+        "    print('ready', flush=True); time.sleep(60)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, str(checkpoints)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert [p.name for p in checkpoints.glob(".step-000004.*") if p.is_dir()]
+
+    resumed, metrics = distill(pruned, tmp_path / "second", checkpoints, **KILLED_IN_STEP_FOUR)
+    assert metrics["resumed_from_step"] == 3
+    assert not marker.exists()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000002", "step-000003"]
+    assert_same_weights(whole, resumed.path / "model.safetensors")

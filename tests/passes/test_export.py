@@ -113,3 +113,16 @@ def test_linear_weights_are_named_after_their_modules(tiny_llama: Path, tiny_gra
     for module, name in linear.items():
         torch_name = "model.embed_tokens.weight" if module == "lm_head" else f"{module}.weight"  # tied
         np.testing.assert_array_equal(initializers[name], weights[torch_name].T)
+
+
+@pytest.mark.parametrize(
+    ("settings", "needle"),
+    [
+        ({"opset": 5}, "export.opset=5: choose an opset from 18 to 23"),
+        ({"opset": 24}, "export.opset=24: choose an opset from 18 to 23"),
+        ({"min_top1_agreement": 1.5}, "export.min_top1_agreement=1.5: must be from 0 to 1"),
+    ],
+)
+def test_settings_out_of_range_are_refused_when_built(settings: dict, needle: str) -> None:
+    with pytest.raises(PassError, match=needle.replace(".", r"\.")):
+        ExportPass(**settings)

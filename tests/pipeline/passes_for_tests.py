@@ -74,3 +74,16 @@ class ToEnginePass(Pass):
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         (out_dir / "engine.txt").write_text((source.path / "graph.txt").read_text())
         return {}
+
+
+def recipe(*texts: str) -> list[Pass]:
+    """Torch passes appending ``texts``, then to a graph and to an engine."""
+    return [*(AppendPass(text=t) for t in texts), ToGraphPass(), ToEnginePass()]
+
+
+def make_source(tmp_path: Path) -> Artifact:
+    """A torch-kind source folder for the test passes: one ``data.txt``."""
+    folder = tmp_path / "source"
+    folder.mkdir()
+    (folder / "data.txt").write_text("s")
+    return Artifact.from_dir(Kind.TORCH, folder)

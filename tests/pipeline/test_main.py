@@ -1,5 +1,5 @@
 """``python -m pipeline`` end to end on a tiny Llama: engine, run record, cache reuse,
-exit code 2 with one line for user mistakes, Ctrl-C leaves nothing half-written."""
+exit code 2 with one line for user mistakes, Ctrl-C and SIGTERM leave nothing half-written."""
 
 from __future__ import annotations
 
@@ -107,6 +107,20 @@ def test_benchmark_reuse_false_measures_again(first_run: tuple[Path, dict], tiny
     assert bench["cache_hit"] is False and bench["measured_at"] >= manifest["benchmark"]["measured_at"]
 
 
+def test_a_broken_benchmark_record_is_measured_again(first_run: tuple[Path, dict], tiny_llama: Path) -> None:
+    workdir, _ = first_run
+    records = sorted((workdir / "cache" / "bench").glob("*.json"))
+    assert records
+    for record in records:
+        record.write_text("{half a rec")  # what a disk-full or a bug could leave
+    result = run_pipeline(tiny_llama, workdir, "run5", *QUICK_BENCH)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    bench = json.loads((workdir / "run5" / "manifest.json").read_text())["benchmark"]
+    assert bench["cache_hit"] is False and bench["ttft"]
+    assert any(json.loads(record.read_text()).get("ttft") for record in records)  # stored whole again
+
+
 def test_benchmark_can_be_skipped(first_run: tuple[Path, dict], tiny_llama: Path) -> None:
     workdir, _ = first_run
     result = run_pipeline(tiny_llama, workdir, "run3", "bench=none")
@@ -149,6 +163,26 @@ def test_bad_order_fails_before_touching_the_model(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("when", ["export: running", "build: running", "benchmark: running"])
 def test_ctrl_c_leaves_no_partial_output(tiny_llama: Path, tmp_path: Path, when: str) -> None:
+    interrupt_and_check(tiny_llama, tmp_path, when, signal.SIGINT, 130)
+
+
+@pytest.mark.parametrize("when", ["build: running", "benchmark: running"])
+def test_sigterm_leaves_no_partial_output(tiny_llama: Path, tmp_path: Path, when: str) -> None:
+    """``kill``, Slurm's time limit, container runtimes: SIGTERM cleans up like Ctrl-C, exits with
+    143, and leaves no benchmark process behind (it runs in a child process)."""
+    interrupt_and_check(tiny_llama, tmp_path, when, signal.SIGTERM, 143)
+    import psutil
+
+    def ours(process: psutil.Process) -> bool:
+        try:
+            return any(str(tmp_path) in part for part in process.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return False
+
+    assert not [process for process in psutil.process_iter() if ours(process)]
+
+
+def interrupt_and_check(tiny_llama: Path, tmp_path: Path, when: str, signum: int, code: int) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     command = pipeline_command(tiny_llama, tmp_path, "run", *QUICK_BENCH, "export.opset=18")
     # Restore SIGINT's default in the child: under a non-interactive shell's background job (a
@@ -165,10 +199,10 @@ def test_ctrl_c_leaves_no_partial_output(tiny_llama: Path, tmp_path: Path, when:
     assert process.stdout is not None
     for line in process.stdout:
         if when in line:
-            process.send_signal(signal.SIGINT)
+            process.send_signal(signum)
             break
     output = process.stdout.read()
-    assert process.wait(timeout=120) == 130, output
+    assert process.wait(timeout=120) == code, output
     assert "interrupted" in output
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".hydra", "__main__.log"]
     assert list((tmp_path / "cache" / ".staging").iterdir()) == []

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.manifest import engine_files
 from tests.pipeline.test_main import QUICK_BENCH, REPO, run_pipeline
 
 GATE = ["eval=quick", "eval.suites=[reasoning]", "eval.limit=12", "eval.resamples=2000"]
@@ -155,9 +156,20 @@ def test_standalone_gate_bad_inputs_are_one_line(int8_run: tuple[Path, dict], no
     shutil.copytree(none_run, other)
     tokenizer = other / "engine" / "tokenizer.json"
     tokenizer.write_text(tokenizer.read_text() + "\n")  # same tokens, other bytes: still refused
+    changed = workdir / "changed"
+    shutil.copytree(other, changed)  # the edit not recorded: the engine no longer matches its run
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["engine"]["files"] = engine_files(other / "engine")  # the edit recorded: a tokenizer check
+    (other / "manifest.json").write_text(json.dumps(manifest))
     cases = {
         "no manifest.json beside it": ("--baseline", str(none_run), "--candidate", str(lone)),
         "the candidate's tokenizer.json differs": ("--baseline", str(none_run), "--candidate", str(other)),
+        "tokenizer.json changed since the run recorded it": (
+            "--baseline",
+            str(none_run),
+            "--candidate",
+            str(changed),
+        ),
         "unknown suite 'math'": (
             "--baseline",
             str(none_run),

@@ -14,21 +14,9 @@ from pipeline.artifacts import Artifact, Kind
 from pipeline.cache import Cache
 from pipeline.errors import ConfigError, PassError
 from pipeline.manager import PassManager, validate
-from tests.pipeline.passes_for_tests import AppendPass, ToEnginePass, ToGraphPass
+from tests.pipeline.passes_for_tests import AppendPass, ToEnginePass, ToGraphPass, recipe
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def source(tmp_path: Path) -> Artifact:
-    folder = tmp_path / "source"
-    folder.mkdir()
-    (folder / "data.txt").write_text("s")
-    return Artifact.from_dir(Kind.TORCH, folder)
-
-
-def recipe(*texts: str) -> list:
-    return [*(AppendPass(text=t) for t in texts), ToGraphPass(), ToEnginePass()]
 
 
 def test_validate_accepts_a_well_typed_recipe() -> None:
@@ -134,7 +122,7 @@ def test_sigkill_mid_pass_leaves_no_entry_and_resumes(source: Artifact, tmp_path
         from pipeline.artifacts import Artifact, Kind
         from pipeline.cache import Cache
         from pipeline.manager import PassManager
-        from tests.pipeline.passes_for_tests import AppendPass, ToEnginePass, ToGraphPass
+        from tests.pipeline.passes_for_tests import AppendPass, ToEnginePass, ToGraphPass, recipe
         source = Artifact.from_dir(Kind.TORCH, Path({str(source.path)!r}))
         passes = [AppendPass(text="a"), AppendPass(text="b"), ToGraphPass(), ToEnginePass()]
         PassManager(passes, Cache(Path({str(cache_dir)!r}))).run(source)
@@ -144,8 +132,9 @@ def test_sigkill_mid_pass_leaves_no_entry_and_resumes(source: Artifact, tmp_path
         [sys.executable, "-c", script], cwd=REPO, env={**_env(), "TEST_KILL_IN_PASS": "b"}, check=False
     )
     assert killed.returncode == -9
-    leftovers = list((cache_dir / ".staging").iterdir())
+    leftovers = [p for p in (cache_dir / ".staging").iterdir() if not p.name.endswith(".lock")]
     assert len(leftovers) == 1 and (leftovers[0] / "output" / "half-written.bin").exists()
+    assert (cache_dir / ".staging" / f"{leftovers[0].name}.lock").is_file()  # its owner's lock, now free
     finished = [p for p in cache_dir.iterdir() if p.name != ".staging"]
     assert len(finished) == 1  # only pass "a" was committed
 

@@ -1,0 +1,172 @@
+"""``python -m pipeline.gate`` before it scores anything: every user mistake is one ``error:``
+line with exit code 2 (an eval config that does not exist, out-of-range or unknown ``--set``
+values, a folder without a manifest), and an engine folder that no longer matches its run's
+manifest (a file modified, added, removed, or a symlink leading out) is refused by name. The
+engines here are never run: every refusal comes before scoring."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.artifacts import folder_digest, write_json
+from pipeline.errors import EngineError, PipelineError
+from pipeline.gate import load_eval_config, main, resolve_engine
+from pipeline.manifest import engine_files
+
+
+@pytest.fixture(autouse=True)
+def _keep_sigterm() -> Iterator[None]:
+    """``main`` makes SIGTERM raise in this process; put pytest's handler back afterwards."""
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)
+
+
+def make_engine_run(folder: Path, seed: int = 0) -> Path:
+    """A run folder: ``engine/`` (engine.json, a model file, a tokenizer) and its manifest."""
+    engine = folder / "engine"
+    (engine / "sub").mkdir(parents=True)
+    (engine / "engine.json").write_text('{"target": "ort-cpu"}\n')
+    (engine / "model.onnx").write_bytes(bytes([seed]) * 1000)
+    (engine / "tokenizer.json").write_text('{"vocab": {}}\n')
+    (engine / "sub" / "weights.bin").write_bytes(b"w" * 100)
+    manifest = {"engine": {"path": "engine", "target": "ort-cpu", "files": engine_files(engine)}}
+    write_json(folder / "manifest.json", manifest)
+    return folder
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> tuple[Path, Path]:
+    return make_engine_run(tmp_path / "base"), make_engine_run(tmp_path / "cand", seed=1)
+
+
+def _gate(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str]]:
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_a_matching_engine_folder_is_accepted_with_its_digest(runs: tuple[Path, Path]) -> None:
+    base, _ = runs
+    for folder in (base, base / "engine"):
+        artifact, manifest = resolve_engine(folder, "baseline")
+        assert artifact.path == base / "engine" and artifact.digest == folder_digest(base / "engine")
+        assert manifest["engine"]["target"] == "ort-cpu"
+
+
+def _outside_symlink(engine: Path) -> None:
+    target = engine.parent.parent / "secret.bin"
+    target.write_bytes((engine / "model.onnx").read_bytes())  # even the same bytes
+    (engine / "model.onnx").unlink()
+    (engine / "model.onnx").symlink_to(target)
+
+
+ENGINE_CHANGES: list[tuple[str, Callable[[Path], Any], str]] = [
+    ("modified", lambda e: (e / "model.onnx").write_bytes(b"\x07" * 1000), "model.onnx changed since"),
+    ("grown", lambda e: (e / "sub" / "weights.bin").write_bytes(b"w" * 101), "weights.bin changed since"),
+    ("added", lambda e: (e / "extra.onnx").write_bytes(b"x"), "extra.onnx is not listed in"),
+    ("removed", lambda e: (e / "sub" / "weights.bin").unlink(), "weights.bin is missing"),
+    ("symlink out", _outside_symlink, "model.onnx leads out of the engine folder"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "change", "needle"), ENGINE_CHANGES, ids=[c[0] for c in ENGINE_CHANGES])
+def test_an_engine_folder_that_no_longer_matches_its_manifest_is_one_line(
+    runs: tuple[Path, Path],
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+    change: Callable[[Path], Any],
+    needle: str,
+) -> None:
+    base, cand = runs
+    change(cand / "engine")
+    with pytest.raises(EngineError, match=needle):
+        resolve_engine(cand, "candidate")
+    code, err = _gate(capsys, "--baseline", str(base), "--candidate", str(cand), "--eval", "quick")
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --candidate") and needle in err[0], err
+
+
+@pytest.mark.parametrize(
+    ("manifest", "needle"),
+    [
+        ("{oops", "is unreadable"),
+        ("[1]", "records no engine"),
+        ('{"engine": 5}', "records no engine"),
+        ('{"engine": {"files": "x"}}', "lists no engine files"),
+        ('{"engine": {"files": [{"path": "../x", "sha256": "0", "bytes": 1}]}}', "leaves the engine folder"),
+    ],
+)
+def test_a_malformed_manifest_is_one_line(
+    runs: tuple[Path, Path], capsys: pytest.CaptureFixture[str], manifest: str, needle: str
+) -> None:
+    base, cand = runs
+    (cand / "manifest.json").write_text(manifest)
+    code, err = _gate(capsys, "--baseline", str(base), "--candidate", str(cand), "--eval", "quick")
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --candidate") and needle in err[0], err
+
+
+def test_a_folder_without_a_manifest_or_engine_is_one_line(
+    runs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base, cand = runs
+    (cand / "manifest.json").unlink()
+    code, err = _gate(capsys, "--baseline", str(base), "--candidate", str(cand), "--eval", "quick")
+    assert code == 2 and len(err) == 1 and "no manifest.json beside it" in err[0], err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, err = _gate(capsys, "--baseline", str(empty), "--candidate", str(base), "--eval", "quick")
+    assert code == 2 and len(err) == 1 and "not an engine folder" in err[0], err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--eval", "fulll"], "--eval fulll: no such eval config; choose one of full, quick"),
+        (["--eval", "none"], "--eval none: no such eval config"),
+        (["--eval", "../eval/quick"], "no such eval config"),
+        (["--set", "confidence=1.5"], "confidence"),
+        (["--set", "confidence=0"], "confidence"),
+        (["--set", "resamples=-1"], "resamples"),
+        (["--set", "resamples=0"], "resamples"),
+        (["--set", "limit=0"], "limit"),
+        (["--set", "threads=-2"], "threads"),
+        (["--set", "max_kl=-0.1"], "max_kl"),
+        (["--set", "confidance=0.9"], "confidance"),
+        (["--set", "resamples=many"], "resamples"),
+        (["--set", "limit"], "--set 'limit': write KEY=VALUE"),
+        (["--set", "suites=[maths]"], "unknown suite 'maths'"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_gate_settings_mistakes_are_one_line(
+    runs: tuple[Path, Path], capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    base, cand = runs
+    args = ["--eval", "quick", *argv] if argv[0] != "--eval" else argv
+    code, err = _gate(capsys, "--baseline", str(base), "--candidate", str(cand), *args)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def test_out_of_range_settings_never_build_a_config() -> None:
+    for item in ("confidence=1.5", "confidence=0", "resamples=-1"):
+        with pytest.raises(PipelineError, match=item.split("=")[0]):
+            load_eval_config("quick", [item])
+    config = load_eval_config("quick", ["confidence=0.9", "resamples=100", "limit=5"])
+    assert (config.confidence, config.resamples, config.limit) == (0.9, 100, 5)
+
+
+def test_engine_and_run_folder_forms_agree(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    """A copied run folder (same files) is accepted; the copy is judged on its own files."""
+    base, _ = runs
+    copy = tmp_path / "copy"
+    shutil.copytree(base, copy)
+    assert resolve_engine(copy, "candidate")[0].digest == resolve_engine(base, "baseline")[0].digest
