@@ -34,6 +34,24 @@ def distill(source: Artifact, out: Path, checkpoints: Path, **config: object) ->
     return Artifact.from_dir(Kind.TORCH, out), metrics
 
 
+def distill_killed_in_step(step: int, source: Artifact, out: Path, ckpt: Path, **config: object) -> None:
+    """Run the pass and interrupt it (KeyboardInterrupt, as Ctrl-C) in the first of step ``step``'s
+    two micro-batches, after the checkpoints it wrote before."""
+    calls = {"n": 0}
+    original = DistillPass._loss
+
+    def dies(self: DistillPass, *args: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 2 * (step - 1) + 1:
+            raise KeyboardInterrupt
+        return original(self, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DistillPass, "_loss", dies)
+        with pytest.raises(KeyboardInterrupt):
+            distill(source, out, ckpt, **config)
+
+
 def test_one_step_lowers_the_kd_loss_on_a_fixed_batch(pruned: Artifact) -> None:
     import torch
 
@@ -75,25 +93,13 @@ def test_distillation_recovers_and_records_its_curve(
 
 
 def test_a_killed_run_resumes_at_its_checkpoint_with_the_same_result(
-    pruned: Artifact, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pruned: Artifact, tmp_path: Path
 ) -> None:
     import torch
     from safetensors.torch import load_file
 
     whole, _ = distill(pruned, tmp_path / "whole", tmp_path / "ckpt-whole", steps=4, checkpoint_every=2)
-    calls = {"n": 0}
-    original = DistillPass._loss
-
-    def dies_in_step_three(self: DistillPass, *args: object) -> object:
-        calls["n"] += 1
-        if calls["n"] == 5:  # 2 micro-batches a step: the first of step 3
-            raise KeyboardInterrupt
-        return original(self, *args)
-
-    monkeypatch.setattr(DistillPass, "_loss", dies_in_step_three)
-    with pytest.raises(KeyboardInterrupt):
-        distill(pruned, tmp_path / "first", tmp_path / "ckpt", steps=4, checkpoint_every=2)
-    monkeypatch.setattr(DistillPass, "_loss", original)
+    distill_killed_in_step(3, pruned, tmp_path / "first", tmp_path / "ckpt", steps=4, checkpoint_every=2)
     resumed, metrics = distill(pruned, tmp_path / "second", tmp_path / "ckpt", steps=4, checkpoint_every=2)
     assert metrics["resumed_from_step"] == 2
     a, b = load_file(whole.path / "model.safetensors"), load_file(resumed.path / "model.safetensors")
@@ -155,19 +161,7 @@ def killed(pruned: Artifact, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     """(the checkpoint folder of a run killed in step 4, the weights of the uninterrupted run)."""
     root = tmp_path_factory.mktemp("killed")
     whole, _ = distill(pruned, root / "whole", root / "ckpt-whole", **KILLED_IN_STEP_FOUR)
-    calls = {"n": 0}
-    original = DistillPass._loss
-
-    def dies_in_step_four(self: DistillPass, *args: object) -> object:
-        calls["n"] += 1
-        if calls["n"] == 7:  # 2 micro-batches a step: the first of step 4
-            raise KeyboardInterrupt
-        return original(self, *args)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(DistillPass, "_loss", dies_in_step_four)
-        with pytest.raises(KeyboardInterrupt):
-            distill(pruned, root / "first", root / "ckpt", **KILLED_IN_STEP_FOUR)
+    distill_killed_in_step(4, pruned, root / "first", root / "ckpt", **KILLED_IN_STEP_FOUR)
     return root / "ckpt", whole.path / "model.safetensors"
 
 
