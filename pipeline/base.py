@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import PassError
+from pipeline.placement import CPU_FLOAT32, Placement, ResolvedPlacement
 
 __all__ = ["Pass", "PassError", "Recipe"]
 
@@ -36,6 +37,15 @@ class Pass(ABC):
     # pass on this input with this config (and is removed once its output is cached), where a
     # long pass keeps checkpoints to resume from. None when run outside the manager.
     checkpoint_dir: Path | None = None
+    # The pipeline.device / pipeline.torch_dtype knobs this pass honours (pipeline/placement.py):
+    # they enter its cache key and its record. Every torch pass declares both; a pass that
+    # declares a knob must compute where and in what dtype ``placement`` says.
+    placement_knobs: ClassVar[tuple[str, ...]] = ()
+    # What the recipe asks for (set by ``pipeline.plugins.build_passes``) and what it resolves
+    # to on this machine (set by ``pipeline.manager.validate`` for passes with placement knobs).
+    # Outside the manager: the CPU in float32.
+    placement_request: Placement | None = None
+    placement: ResolvedPlacement = CPU_FLOAT32
 
     def __init__(self, **config: Any) -> None:
         try:

