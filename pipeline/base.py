@@ -41,6 +41,11 @@ class Pass(ABC):
     # they enter its cache key and its record. Every torch pass declares both; a pass that
     # declares a knob must compute where and in what dtype ``placement`` says.
     placement_knobs: ClassVar[tuple[str, ...]] = ()
+    # How the pass holds the model while it runs (pipeline/memory.py estimates its peak from it):
+    # "whole" (every weight in memory at the placement's dtype), "block" (one decoder block at a
+    # time, streamed from the safetensors), "graph" (an ONNX graph with external data memory-mapped),
+    # "none" (no weights).
+    memory_profile: ClassVar[str] = "whole"
     # What the recipe asks for (set by ``pipeline.plugins.build_passes``) and what it resolves
     # to on this machine (set by ``pipeline.manager.validate`` for passes with placement knobs).
     # Outside the manager: the CPU in float32.
