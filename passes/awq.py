@@ -34,8 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from passes.int4 import (
     CALIBRATION_BATCH,
     LM_HEAD,
@@ -47,7 +45,6 @@ from passes.int4 import (
     TorchInt4Pass,
     check_finite,
     dequantize,
-    first_layer_inputs,
     input_hooks,
     quantize_codes,
     quantize_rtn,
@@ -148,7 +145,8 @@ def gram_matrix(inputs: list[Any]) -> Any:
     """``X^T X / T`` of the inputs' rows: ``mean_t (x_t . d)^2 = d^T G d`` for any ``d``."""
     import torch
 
-    gram = torch.zeros(inputs[0].shape[-1], inputs[0].shape[-1])
+    # Accumulated in float32 on the inputs' device whatever their dtype.
+    gram = torch.zeros(inputs[0].shape[-1], inputs[0].shape[-1], device=inputs[0].device)
     count = 0
     for x in inputs:
         rows = x.reshape(-1, x.shape[-1]).float()
@@ -166,10 +164,10 @@ def activation_scale(inputs: list[Any]) -> Any:
     """Mean |x| per input channel over every calibration token."""
     import torch
 
-    total = torch.zeros(inputs[0].shape[-1])
+    total = torch.zeros(inputs[0].shape[-1], device=inputs[0].device)  # float32 whatever x's dtype
     count = 0
     for x in inputs:
-        rows = x.reshape(-1, x.shape[-1])
+        rows = x.reshape(-1, x.shape[-1]).float()
         total += rows.abs().sum(0)
         count += rows.shape[0]
     return total / count
@@ -208,7 +206,7 @@ def search_scale(
                     group.linears[name].weight.data.copy_(quantized / scales[None, :])
                 losses.append(
                     sum(
-                        float((group.block(group.inputs[b], b) - reference[i]).pow(2).mean())
+                        float((group.block(group.inputs[b], b) - reference[i]).float().pow(2).mean())
                         for i, b in enumerate(search)
                     )
                 )
@@ -233,7 +231,7 @@ def search_clip(weight: Any, gram: Any, group_size: int, symmetric: bool, chunk:
             for g in range(groups)
         ]
     )  # [G, gs, gs]
-    best_max = torch.empty(out_features, groups)
+    best_max = torch.empty(out_features, groups, device=weight.device)
     for start in range(0, out_features, chunk):
         w = weight[start : start + chunk].float().reshape(-1, groups, group_size)  # [oc, G, gs]
         org_max = w.abs().amax(-1)  # [oc, G]
@@ -298,34 +296,27 @@ def layer_groups(layer: Any, inputs: LayerInputs) -> tuple[list[ScaleGroup], lis
 class AwqPass(TorchInt4Pass):
     Config = AwqConfig
     name = "awq"
-    version = 1
+    version = 2  # 2: streamed, the output written in shards (same tensors)
     algorithm = "awq"
 
     def _search_batches(self, total: int) -> int:
         samples = self.config.search_samples
         return total if samples == 0 else -(-samples // CALIBRATION_BATCH)
 
-    def quantize_model(
-        self, model: Any, windows: np.ndarray, targets: list[str]
+    def quantize_block(
+        self, prefix: str, layer: Any, inputs: LayerInputs, wanted: set[str]
     ) -> dict[str, QuantizedLinear]:
-        from tqdm.auto import tqdm
-
-        wanted = set(targets)
-        results: dict[str, QuantizedLinear] = {}
-        inputs = first_layer_inputs(model, windows, CALIBRATION_BATCH)
-        batches = self._search_batches(len(inputs.hidden))
-        for index, layer in enumerate(tqdm(model.model.layers, desc="awq", unit="layer")):
-            prefix = f"model.layers.{index}."
-            groups, outputs = layer_groups(layer, inputs)
-            for group in groups:
-                group.quantized = [n for n in group.linears if prefix + n in wanted]
-            results.update(self._scale_clip_quantize(prefix, groups, batches))
-            inputs.hidden = outputs  # the fp32 layer's outputs feed the next layer
-        if LM_HEAD in wanted:
-            final = [model.model.norm(h) for h in inputs.hidden]
-            head = ScaleGroup("lm_head", model.model.norm, {LM_HEAD: model.lm_head}, [LM_HEAD], final, None)
-            results.update(self._scale_clip_quantize("", [head], 1))
+        groups, outputs = layer_groups(layer, inputs)
+        for group in groups:
+            group.quantized = [n for n in group.linears if prefix + n in wanted]
+        results = self._scale_clip_quantize(prefix, groups, self._search_batches(len(inputs.hidden)))
+        inputs.hidden = outputs  # the fp32 layer's outputs feed the next layer
         return results
+
+    def quantize_head(self, norm: Any, head: Any, hidden: list[Any]) -> dict[str, QuantizedLinear]:
+        final = [norm(h) for h in hidden]
+        group = ScaleGroup("lm_head", norm, {LM_HEAD: head}, [LM_HEAD], final, None)
+        return self._scale_clip_quantize("", [group], 1)
 
     def _scale_clip_quantize(
         self, prefix: str, groups: list[ScaleGroup], batches: int

@@ -24,16 +24,15 @@ from typing import Any
 import numpy as np
 
 from passes.int4 import (
-    CALIBRATION_BATCH,
     LM_HEAD,
     MAXQ,
     Int4Recipe,
     Int4RecipeConfig,
+    LayerInputs,
     QuantizedLinear,
     TorchInt4Config,
     TorchInt4Pass,
     check_finite,
-    first_layer_inputs,
     group_params,
     input_hooks,
     run_layer,
@@ -102,8 +101,10 @@ def _gptq(
 ) -> QuantizedLinear:
     import torch
 
-    W = weight.detach().float().clone()
-    H = hessian.detach().float().clone()
+    # On the CPU in float32 whatever the placement: the column loop runs in numpy (see
+    # _quantize_columns); the parameters come back on the CPU, where the pass stores them.
+    W = weight.detach().float().cpu().clone()
+    H = hessian.detach().float().cpu().clone()
     columns = W.shape[1]
     dead = torch.diag(H) == 0  # an input channel that is always 0: its weights do not matter
     H[dead, dead] = 1.0
@@ -210,7 +211,8 @@ class Hessians:
 
         rows = x.reshape(-1, x.shape[-1]).float()
         if name not in self.sums:
-            self.sums[name] = torch.zeros(rows.shape[1], rows.shape[1])
+            # float32 on the inputs' device, whatever the compute dtype
+            self.sums[name] = torch.zeros(rows.shape[1], rows.shape[1], device=rows.device)
             self.counts[name] = 0
         self.sums[name].addmm_(rows.T, rows)
         self.counts[name] += rows.shape[0]
@@ -222,38 +224,32 @@ class Hessians:
 class GptqPass(TorchInt4Pass):
     Config = GptqConfig
     name = "gptq"
-    version = 1
+    version = 2  # 2: streamed, the output written in shards (same tensors)
     algorithm = "gptq"
 
-    def quantize_model(
-        self, model: Any, windows: np.ndarray, targets: list[str]
+    def quantize_block(
+        self, prefix: str, layer: Any, inputs: LayerInputs, wanted: set[str]
     ) -> dict[str, QuantizedLinear]:
-        from tqdm.auto import tqdm
-
-        wanted = set(targets)
         results: dict[str, QuantizedLinear] = {}
-        inputs = first_layer_inputs(model, windows, CALIBRATION_BATCH)
-        decoder = model.model.layers
-        for index, layer in enumerate(tqdm(decoder, desc="gptq", unit="layer")):
-            prefix = f"model.layers.{index}."
-            linears = {
-                prefix + name: module
-                for name, module in layer.named_modules()
-                if prefix + name in wanted and hasattr(module, "in_features")
-            }
-            if linears:
-                hessians = Hessians()
-                with input_hooks(linears, hessians.add):
-                    run_layer(layer, inputs)
-                for name, module in linears.items():
-                    results[name] = self._quantize(name, module, hessians.pop(name))
-            inputs.hidden = run_layer(layer, inputs)  # the quantized layer feeds the next one
-        if LM_HEAD in wanted:
+        linears = {
+            prefix + name: module
+            for name, module in layer.named_modules()
+            if prefix + name in wanted and hasattr(module, "in_features")
+        }
+        if linears:
             hessians = Hessians()
-            for hidden in inputs.hidden:
-                hessians.add(LM_HEAD, model.model.norm(hidden))
-            results[LM_HEAD] = self._quantize(LM_HEAD, model.lm_head, hessians.pop(LM_HEAD))
+            with input_hooks(linears, hessians.add):
+                run_layer(layer, inputs)
+            for name, module in linears.items():
+                results[name] = self._quantize(name, module, hessians.pop(name))
+        inputs.hidden = run_layer(layer, inputs)  # the quantized layer feeds the next one
         return results
+
+    def quantize_head(self, norm: Any, head: Any, hidden: list[Any]) -> dict[str, QuantizedLinear]:
+        hessians = Hessians()
+        for h in hidden:
+            hessians.add(LM_HEAD, norm(h))
+        return {LM_HEAD: self._quantize(LM_HEAD, head, hessians.pop(LM_HEAD))}
 
     def _quantize(self, name: str, module: Any, hessian: Any) -> QuantizedLinear:
         check_finite(hessian, "input Hessian", name, self.config.calibration.dataset)

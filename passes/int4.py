@@ -20,6 +20,17 @@ parameters is quantized there by round-to-nearest with the same formula.
 A tied ``lm_head`` (SmolLM2: ``lm_head.weight is model.embed_tokens.weight``) is untied before it
 is quantized: the embedding keeps its fp32 values, the head gets its own quantized weight, and
 the export (which already writes the head as its own initializer) is unchanged in size.
+
+The torch stage is block-streamed (``calibration/streaming.py``; GPTQ's reference
+``llama_sequential``, llm-compressor's sequential pipeline): the model is a ``meta`` skeleton,
+each decoder block is read from the safetensors shards onto ``pipeline.device`` in
+``pipeline.torch_dtype``, calibrated and quantized on the previous block's outputs, written as its
+own shard and freed. Peak memory is one block, one layer's calibration activations and the
+embeddings, whatever the depth; the results equal those of the model held whole
+(:meth:`TorchInt4Pass.quantize_model`, which the tests compare). Statistics (Gram matrices,
+Hessians, activation means) are accumulated in float32 whatever the compute dtype, and the saved
+weights are float32 as before: quantized layers hold exactly the dequantized parameters,
+tensors the pass did not change keep their stored values.
 """
 
 from __future__ import annotations
@@ -29,7 +40,6 @@ import dataclasses
 import enum
 import json
 import logging
-import shutil
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -39,10 +49,11 @@ from typing import Any, ClassVar
 import numpy as np
 
 from calibration.datasets import CalibrationConfig, as_calibration
+from calibration.streaming import LayerInputs, capture_first_block_inputs
 from passes.export import EXTRAS_DIR  # export copies extras/ into the graph artifact
 from passes.selection import select_modules
 from passes.sensitivity import FallbackSettings
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, write_json, write_metadata
+from pipeline.artifacts import Artifact, Kind, write_json, write_metadata
 from pipeline.base import Pass, Recipe
 from pipeline.errors import CalibrationError, ConfigError, PassError
 
@@ -247,18 +258,33 @@ def qdq_tensors(layer: QuantizedLinear, symmetric: bool) -> tuple[np.ndarray, np
 # extras/int4/: the exact parameters, from the torch stage to the graph stage.
 
 
-def save_params(folder: Path, layers: dict[str, QuantizedLinear], info: dict[str, Any]) -> None:
+def packed_params(name: str, layer: QuantizedLinear) -> dict[str, Any]:
+    """The stored tensors of one layer (CPU): packed codes, scales, zeros."""
     import torch
+
+    return {
+        f"{name}.qweight": torch.from_numpy(pack_uint4(layer.codes.cpu().numpy())).contiguous(),
+        f"{name}.scales": layer.scales.float().cpu().contiguous(),
+        f"{name}.zeros": layer.zeros.to(device="cpu", dtype=torch.uint8).contiguous(),
+    }
+
+
+def save_params(folder: Path, layers: dict[str, QuantizedLinear], info: dict[str, Any]) -> None:
+    tensors: dict[str, Any] = {}
+    for name, layer in layers.items():
+        tensors.update(packed_params(name, layer))
+    save_packed_params(folder, tensors, sorted(layers), info)
+
+
+def save_packed_params(
+    folder: Path, tensors: dict[str, Any], modules: list[str], info: dict[str, Any]
+) -> None:
+    """Write ``extras/int4/`` from tensors already packed by :func:`packed_params`."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, Any] = {}
-    for name, layer in layers.items():
-        tensors[f"{name}.qweight"] = torch.from_numpy(pack_uint4(layer.codes.numpy())).contiguous()
-        tensors[f"{name}.scales"] = layer.scales.float().contiguous()
-        tensors[f"{name}.zeros"] = layer.zeros.to(torch.uint8).contiguous()
     save_file(tensors, str(folder / PARAMS_FILE))
-    info = {**info, "format": FORMAT_VERSION, "bits": BITS, "modules": sorted(layers)}
+    info = {**info, "format": FORMAT_VERSION, "bits": BITS, "modules": sorted(modules)}
     write_json(folder / INFO_FILE, info)
 
 
@@ -305,55 +331,10 @@ def meta_model(folder: Path) -> Any:
         return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
 
 
-@dataclass
-class LayerInputs:
-    """The inputs of one decoder layer for each calibration batch (hidden states + the layer kwargs
-    transformers passes: mask, rotary position embeddings, positions)."""
-
-    hidden: list[Any]
-    kwargs: list[dict[str, Any]]
-
-    @property
-    def tokens(self) -> int:
-        return sum(h.shape[0] * h.shape[1] for h in self.hidden)
-
-
-class _StopForward(Exception):
-    pass
-
-
 def first_layer_inputs(model: Any, windows: np.ndarray, batch_size: int) -> LayerInputs:
-    """Run the embedding (and mask/rotary set-up) of ``model`` on ``windows``; catch what reaches
-    decoder layer 0, then stop (AutoGPTQ's "Catcher")."""
-    import torch
-
-    layers = model.model.layers
-    original = layers[0]
-    captured = LayerInputs([], [])
-
-    class Catcher(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.wrapped = original
-
-        def forward(self, hidden_states: Any, **kwargs: Any) -> Any:
-            captured.hidden.append(hidden_states.detach())
-            kwargs.pop("cache", None)
-            kwargs.pop("past_key_values", None)
-            kwargs["use_cache"] = False
-            captured.kwargs.append(kwargs)
-            raise _StopForward
-
-    layers[0] = Catcher()
-    try:
-        with torch.no_grad():
-            for start in range(0, len(windows), batch_size):
-                ids = torch.from_numpy(np.ascontiguousarray(windows[start : start + batch_size]))
-                with contextlib.suppress(_StopForward):
-                    model(input_ids=ids, use_cache=False)
-    finally:
-        layers[0] = original
-    return captured
+    """The first decoder layer's inputs of an in-memory ``model`` on ``windows`` (on its device)."""
+    device = next(model.model.embed_tokens.parameters()).device
+    return capture_first_block_inputs(model, windows, batch_size, device)
 
 
 def run_layer(layer: Any, inputs: LayerInputs) -> list[Any]:
@@ -406,7 +387,6 @@ def untie_lm_head(model: Any) -> bool:
 
 
 CALIBRATION_BATCH = 8  # windows per forward: bounds activation memory, keeps matmuls large
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
 @dataclass
@@ -419,10 +399,13 @@ class TorchInt4Config(Int4Settings):
 
 
 class TorchInt4Pass(Pass):
-    """Base of the torch-stage INT4 passes: load, calibrate, quantize (subclass), save."""
+    """Base of the torch-stage INT4 passes: calibrate and quantize (subclass) one decoder block at a
+    time, streamed from the checkpoint and written as it is done (``calibration.streaming``)."""
 
     consumes = Kind.TORCH
     produces = Kind.TORCH
+    placement_knobs = ("device", "torch_dtype")
+    memory_profile = "block"
     algorithm: ClassVar[str]
 
     def targets(self, model: Any, folder: Path) -> list[str]:
@@ -438,35 +421,78 @@ class TorchInt4Pass(Pass):
         self.targets(meta_model(source.path), source.path)  # fails before any weight is read
 
     @abstractmethod
+    def quantize_block(
+        self, prefix: str, layer: Any, inputs: LayerInputs, wanted: set[str]
+    ) -> dict[str, QuantizedLinear]:
+        """Quantize the linears of decoder ``layer`` (module names ``prefix + name``) that are in
+        ``wanted``, in place (fake-quantized weights); set ``inputs.hidden`` to the inputs of the
+        next layer; return the parameters."""
+
+    @abstractmethod
+    def quantize_head(self, norm: Any, head: Any, hidden: list[Any]) -> dict[str, QuantizedLinear]:
+        """Quantize ``lm_head`` (``head``) on the final ``norm`` of the last layer's outputs."""
+
     def quantize_model(
         self, model: Any, windows: np.ndarray, targets: list[str]
     ) -> dict[str, QuantizedLinear]:
-        """Quantize ``targets`` of ``model`` in place (fake-quantized weights); return the parameters."""
+        """Quantize ``targets`` of an in-memory ``model`` in place; the parameters. The same steps
+        as :meth:`run`, on a model held whole (tests compare the two)."""
+        wanted = set(targets)
+        results: dict[str, QuantizedLinear] = {}
+        inputs = first_layer_inputs(model, windows, CALIBRATION_BATCH)
+        for index, layer in enumerate(model.model.layers):
+            results.update(self.quantize_block(f"model.layers.{index}.", layer, inputs, wanted))
+        if LM_HEAD in wanted:
+            results.update(self.quantize_head(model.model.norm, model.lm_head, inputs.hidden))
+        return results
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         import time
 
         import torch
+        from tqdm.auto import tqdm
 
         from calibration.datasets import token_windows
-        from pipeline.torch_model import load_causal_lm, load_tokenizer
+        from calibration.streaming import EMBEDDINGS, FINAL_NORM, CheckpointWriter, StreamedCheckpoint
+        from pipeline.torch_model import copy_beside_weights, load_tokenizer
 
-        model = load_causal_lm(source.path)
+        checkpoint = StreamedCheckpoint(source.path, self.placement)
         windows = token_windows(load_tokenizer(source.path), self.config.calibration)
-        targets = self.targets(model, source.path)
-        untied = LM_HEAD in targets and untie_lm_head(model)
+        targets = self.targets(checkpoint.model, source.path)
+        wanted = set(targets)
+        untied = LM_HEAD in wanted and checkpoint.untie_lm_head()
+        writer = CheckpointWriter(out_dir)
+        copy_beside_weights(source.path, out_dir)
+        params: dict[str, Any] = {}
+        modules: list[str] = []
+
+        def finish(prefix: str, results: dict[str, QuantizedLinear]) -> None:
+            """Write module ``prefix`` (quantized weights exact, in float32) and free it."""
+            overrides = {f"{name}.weight": layer.dequantize() for name, layer in results.items()}
+            writer.write(checkpoint.output_tensors(prefix, overrides))
+            for name, layer in results.items():
+                params.update(packed_params(name, layer))
+                modules.append(name)
+            checkpoint.release(prefix)
+
         started = time.perf_counter()
         with torch.no_grad():
-            layers = self.quantize_model(model, windows, targets)
+            inputs = checkpoint.first_block_inputs(windows, CALIBRATION_BATCH)
+            writer.write(self._unchanged(checkpoint, EMBEDDINGS))  # no INT4 pass changes it
+            for index in tqdm(range(checkpoint.num_layers), desc=self.name, unit="layer"):
+                prefix = checkpoint.layer_prefix(index)
+                layer = checkpoint.materialize(prefix)
+                finish(prefix, self.quantize_block(prefix + ".", layer, inputs, wanted))
+            norm = checkpoint.materialize(FINAL_NORM)
+            if LM_HEAD in wanted:
+                head = checkpoint.materialize(LM_HEAD)
+                results = self.quantize_head(norm, head, inputs.hidden)
+                finish(LM_HEAD, results)
+            elif not checkpoint.output_tied:
+                writer.write(self._unchanged(checkpoint, LM_HEAD))
+            finish(FINAL_NORM, {})
         seconds = time.perf_counter() - started
-        for item in source.path.iterdir():
-            if item.name in (ARTIFACT_FILE, *WEIGHT_FILES) or item.name.endswith(".safetensors"):
-                continue
-            if item.is_dir():
-                shutil.copytree(item, out_dir / item.name)
-            else:
-                shutil.copy2(item, out_dir / item.name)
-        model.save_pretrained(out_dir, safe_serialization=True)
+        writer.finish(checkpoint.config, checkpoint.generation_config())
         info = {
             "algorithm": self.algorithm,
             "group_size": self.config.group_size,
@@ -474,35 +500,58 @@ class TorchInt4Pass(Pass):
             "exclude": list(self.config.exclude),
             "config": self.config_dict(),
         }
-        save_params(out_dir / EXTRAS_DIR / INT4_DIR, layers, info)
-        summary = {k: v for k, v in info.items() if k != "config"} | {"modules": len(layers), "bits": BITS}
+        save_packed_params(out_dir / EXTRAS_DIR / INT4_DIR, params, modules, info)
+        summary = {k: v for k, v in info.items() if k != "config"} | {"modules": len(modules), "bits": BITS}
         write_metadata(out_dir, Kind.TORCH, {**source.metadata, "quantization": summary})
-        log.info("%s: %d layers quantized in %.1f s", self.name, len(layers), seconds)
+        log.info("%s: %d layers quantized in %.1f s", self.name, len(modules), seconds)
         return {
-            "quantized_layers": len(layers),
+            "quantized_layers": len(modules),
             "untied_lm_head": bool(untied),
             "calibration_tokens": int(windows.size),
             "seconds_quantize": round(seconds, 1),
         }
 
+    @staticmethod
+    def _unchanged(checkpoint: Any, prefix: str) -> dict[str, Any]:
+        """A module the pass does not change, as stored (float32, the dtype of today's outputs)."""
+        import torch
+
+        names = checkpoint.tensor_names(prefix)
+        return {
+            name: value.to(torch.float32 if value.is_floating_point() else value.dtype).contiguous()
+            for name, value in checkpoint.read(names).items()
+        }
+
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
-        """The saved checkpoint holds exactly the dequantized stored parameters."""
+        """The saved checkpoint holds exactly the dequantized stored parameters (checked one
+        tensor at a time, so the check is bounded in memory too)."""
+        import torch
         from safetensors import safe_open
 
-        _, layers = load_params(result.path / EXTRAS_DIR / INT4_DIR)
+        folder = result.path / EXTRAS_DIR / INT4_DIR
+        info = json.loads((folder / INFO_FILE).read_text()) if (folder / INFO_FILE).is_file() else {}
+        missing = set(info.get("modules", []))
         worst = 0.0
-        files = sorted(result.path.glob("*.safetensors"))
-        for path in files:
-            with safe_open(str(path), "pt") as handle:
-                for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    name = key.removesuffix(".weight")
-                    if key.endswith(".weight") and name in layers:
-                        diff = (handle.get_tensor(key).float() - layers.pop(name).dequantize()).abs().max()
+        with safe_open(str(folder / PARAMS_FILE), "pt") if missing else contextlib.nullcontext() as stored:
+            for path in sorted(result.path.glob("*.safetensors")):
+                with safe_open(str(path), "pt") as handle:
+                    for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                        name = key.removesuffix(".weight")
+                        if not key.endswith(".weight") or name not in missing:
+                            continue
+                        missing.discard(name)
+                        scales = stored.get_tensor(f"{name}.scales")
+                        width = scales.shape[1] * info["group_size"]
+                        packed = stored.get_tensor(f"{name}.qweight").numpy()
+                        codes = torch.from_numpy(unpack_uint4(packed, width))
+                        zeros = stored.get_tensor(f"{name}.zeros")
+                        expected = dequantize(codes, scales, zeros, info["group_size"])
+                        diff = (handle.get_tensor(key).float() - expected).abs().max()
                         worst = max(worst, float(diff))
-        if layers or worst > 0:
+        if missing or worst > 0:
             raise PassError(
                 f"{self.name}: the saved weights differ from the stored INT4 parameters "
-                f"(max |diff| {worst:.3g}, missing {sorted(layers)[:3]})"
+                f"(max |diff| {worst:.3g}, missing {sorted(missing)[:3]})"
             )
         return {}
 

@@ -3,14 +3,23 @@ reference, packing against ONNX Runtime's own packer, the extras contract, confi
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
-from calibration.datasets import CalibrationConfig
+from calibration.datasets import CalibrationConfig, token_windows
+from calibration.streaming import StreamedCheckpoint
+from passes.awq import AwqPass
 from passes.gptq import GptqPass, Int4GptqRecipe
 from passes.int4 import (
+    EXTRAS_DIR,
+    INT4_DIR,
     QuantizedLinear,
+    TorchInt4Pass,
     load_params,
     matmulnbits_tensors,
     pack_uint4,
@@ -18,10 +27,13 @@ from passes.int4 import (
     quantize_rtn,
     save_params,
     unpack_uint4,
+    untie_lm_head,
 )
-from pipeline.artifacts import Artifact
+from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import ConfigError
+from pipeline.placement import CPU_FLOAT32, ResolvedPlacement
 from pipeline.plugins import build_passes
+from pipeline.torch_model import load_causal_lm, load_tokenizer
 from tests.pipeline.recipe import compose_recipe
 
 
@@ -172,3 +184,119 @@ def test_hydra_recipe_expands_around_export() -> None:
     passes = build_passes(cfg)
     assert [p.name for p in passes] == ["sensitivity", "awq", "export", "int4_lowering", "build"]
     assert passes[1].config.calibration.num_samples == 8 and passes[3].config.lowering == "qdq"
+
+
+# --------------------------------------------------------------------------------------------
+# The torch passes stream the checkpoint one decoder block at a time (calibration/streaming.py);
+# their results must equal the same algorithm run on the model held whole, as before streaming.
+
+STREAMED = {
+    "awq": (AwqPass, {"group_size": 32, "grid": 4, "calibration": {"num_samples": 4, "seq_len": 32}}),
+    # lm_head excluded: the output keeps the tied head (no lm_head tensor written)
+    "gptq": (
+        GptqPass,
+        {"group_size": 32, "exclude": ["lm_head"], "calibration": {"num_samples": 4, "seq_len": 32}},
+    ),
+}
+BF16 = ResolvedPlacement("cpu", "bfloat16")
+
+
+@functools.cache
+def whole_model_reference(
+    algorithm: str, folder: Path, placement: ResolvedPlacement
+) -> tuple[dict[str, Any], dict[str, QuantizedLinear]]:
+    """The state dict and parameters of ``algorithm`` run on the model loaded whole (load_causal_lm)
+    on ``placement``: the code path before streaming."""
+    cls, kwargs = STREAMED[algorithm]
+    step = cls(**kwargs)
+    step.placement = placement
+    model = load_causal_lm(folder, placement=placement)
+    targets = step.targets(model, folder)
+    if "lm_head" in targets:
+        untie_lm_head(model)
+    windows = token_windows(load_tokenizer(folder), step.config.calibration)
+    with torch.no_grad():
+        layers = step.quantize_model(model, windows, targets)
+    return model.state_dict(), layers
+
+
+def saved_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def run_streamed(
+    algorithm: str, source: Artifact, out: Path, placement: ResolvedPlacement, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, Any], dict[str, QuantizedLinear]]:
+    """Run the pass; check it never holds two decoder blocks at once; its metrics and parameters."""
+    cls, kwargs = STREAMED[algorithm]
+    step = cls(**kwargs)
+    step.placement = placement
+    resident: list[int] = []
+    materialize = StreamedCheckpoint.materialize
+
+    def counting(self: StreamedCheckpoint, prefix: str) -> Any:
+        module = materialize(self, prefix)
+        layers = self.model.model.layers
+        resident.append(sum(not next(layer.parameters()).is_meta for layer in layers))
+        return module
+
+    monkeypatch.setattr(StreamedCheckpoint, "materialize", counting)
+    metrics = step.run(source, out)
+    step.ensures(source, Artifact.from_dir(Kind.TORCH, out))
+    assert max(resident) == 1 and resident.count(1) == 2  # each of the 2 blocks alone, once
+    return metrics, load_params(out / EXTRAS_DIR / INT4_DIR)[1]
+
+
+def assert_same_parameters(streamed: dict[str, QuantizedLinear], whole: dict[str, QuantizedLinear]) -> None:
+    assert sorted(streamed) == sorted(whole)
+    for name, layer in whole.items():
+        assert torch.equal(streamed[name].codes, layer.codes), name
+        assert torch.equal(streamed[name].scales, layer.scales.cpu()), name
+        assert torch.equal(streamed[name].zeros, layer.zeros.cpu()), name
+
+
+@pytest.mark.parametrize("algorithm", ["awq", "gptq"])
+def test_streamed_pass_equals_the_whole_model(
+    algorithm: str, tiny_source: Artifact, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metrics, layers = run_streamed(algorithm, tiny_source, tmp_path, CPU_FLOAT32, monkeypatch)
+    state, reference = whole_model_reference(algorithm, tiny_source.path, CPU_FLOAT32)
+    assert_same_parameters(layers, reference)  # bit for bit: the same ops in the same order
+    assert metrics["quantized_layers"] == len(reference) == (15 if algorithm == "awq" else 14)
+    saved = saved_tensors(tmp_path)
+    tied = algorithm == "gptq"  # lm_head excluded: still tied, stored once
+    assert set(saved) == set(state) - ({"lm_head.weight"} if tied else set())
+    for name, value in saved.items():
+        assert value.dtype == torch.float32 and torch.equal(value, state[name]), name
+    # The output loads as a whole model again (sharded, with an index).
+    loaded = load_causal_lm(tmp_path)
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) is tied
+
+
+@pytest.mark.parametrize("algorithm", ["awq", "gptq"])
+def test_the_pass_computes_on_the_placement(
+    algorithm: str, tiny_source: Artifact, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bfloat16 compute: the parameters are those of the whole model in bfloat16 and differ from
+    float32's (a pass ignoring the placement would give float32's); weights are saved in float32."""
+    assert STREAMED[algorithm][0].placement_knobs == ("device", "torch_dtype")
+    assert STREAMED[algorithm][0].memory_profile == "block"
+    _, layers = run_streamed(algorithm, tiny_source, tmp_path, BF16, monkeypatch)
+    assert_same_parameters(layers, whole_model_reference(algorithm, tiny_source.path, BF16)[1])
+    _, fp32 = whole_model_reference(algorithm, tiny_source.path, CPU_FLOAT32)
+    assert any(not torch.equal(layers[name].codes, fp32[name].codes) for name in fp32)
+    saved = saved_tensors(tmp_path)
+    assert {v.dtype for v in saved.values()} == {torch.float32}
+    # Tensors the pass does not change keep their stored float32 values (not rounded to bfloat16).
+    original = load_causal_lm(tiny_source.path).state_dict()
+    assert torch.equal(saved["model.embed_tokens.weight"], original["model.embed_tokens.weight"])
+    if algorithm == "gptq":
+        assert torch.equal(saved["model.norm.weight"], original["model.norm.weight"])
+        norm = "model.layers.0.input_layernorm.weight"
+        assert torch.equal(saved[norm], original[norm])
+    assert issubclass(STREAMED[algorithm][0], TorchInt4Pass)

@@ -1,0 +1,345 @@
+"""Block streaming of a Hugging Face Llama checkpoint: read, calibrate and write one decoder block
+at a time, so a torch pass holds one block, the calibration activations at one layer and the
+embeddings, whatever the model's depth.
+
+The scheme of GPTQ's reference code (``llama_sequential``: capture the first block's inputs with a
+"Catcher", then onload block ``i``, push the activations through it, quantize, offload) and of
+llm-compressor's sequential pipeline (``llmcompressor/pipelines/sequential``: the model on the
+``meta`` device, each block onloaded for its calibration step). It is written here rather than
+taken from those libraries: both keep the whole model resident (in CPU memory, offloaded to the
+GPU block by block) and neither writes the result block by block; accelerate's ``init_empty_weights``
+/ ``set_module_tensor_to_device`` do what :meth:`StreamedCheckpoint.materialize` does, but
+``torch.device("meta")`` and ``load_state_dict(assign=True)`` now cover it without a dependency.
+
+- :class:`StreamedCheckpoint`: the model skeleton on ``meta`` (module names and shapes, no
+  weights), its tensors read from the safetensors shards (``model.safetensors`` or a sharded
+  ``model.safetensors.index.json``) with ``safe_open`` only when a module is materialized on the
+  placement's device and dtype; :meth:`~StreamedCheckpoint.release` sends it back to ``meta``.
+  A file is opened (memory-mapped) for one read and closed after, so its pages do not stay mapped
+  into the process. The rotary embedding is rebuilt on the device; the first block's inputs are
+  captured from a forward of the embeddings only.
+- :class:`CheckpointWriter`: writes each finished module's tensors as one safetensors shard as soon
+  as it is produced, then ``model.safetensors.index.json`` and ``config.json`` /
+  ``generation_config.json`` (the rest of the folder comes from
+  :func:`pipeline.torch_model.copy_beside_weights`), so the output model is never whole in memory.
+
+Tied embeddings (``lm_head.weight`` absent from the checkpoint, read from
+``model.embed_tokens.weight``) are handled by the key map; :meth:`StreamedCheckpoint.untie_lm_head`
+makes the output hold its own head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import SourceError
+from pipeline.placement import CPU_FLOAT32, ResolvedPlacement
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+EMBEDDINGS = "model.embed_tokens"
+FINAL_NORM = "model.norm"
+LM_HEAD = "lm_head"
+SHARD_METADATA = {"format": "pt"}  # what transformers' save_pretrained writes
+
+
+@dataclass
+class LayerInputs:
+    """The inputs of one decoder layer for each calibration batch (hidden states + the layer kwargs
+    transformers passes: mask, rotary position embeddings, positions)."""
+
+    hidden: list[Any]
+    kwargs: list[dict[str, Any]]
+
+    @property
+    def tokens(self) -> int:
+        return sum(h.shape[0] * h.shape[1] for h in self.hidden)
+
+
+class _StopForward(Exception):
+    pass
+
+
+def capture_first_block_inputs(
+    model: Any, windows: np.ndarray, batch_size: int, device: Any = "cpu"
+) -> LayerInputs:
+    """Run the embedding (and mask/rotary set-up) of ``model`` on ``windows`` (token ids, one row a
+    window) in batches of ``batch_size``; catch what reaches decoder layer 0, then stop (AutoGPTQ's
+    "Catcher"). Only the embeddings and the rotary embedding need weights: the decoder layers,
+    the final norm and the head may stay on ``meta``."""
+    import torch
+
+    layers = model.model.layers
+    original = layers[0]
+    captured = LayerInputs([], [])
+
+    class Catcher(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wrapped = original
+
+        def forward(self, hidden_states: Any, **kwargs: Any) -> Any:
+            captured.hidden.append(hidden_states.detach())
+            kwargs.pop("cache", None)
+            kwargs.pop("past_key_values", None)
+            kwargs["use_cache"] = False
+            captured.kwargs.append(kwargs)
+            raise _StopForward
+
+    layers[0] = Catcher()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(windows), batch_size):
+                batch = np.ascontiguousarray(windows[start : start + batch_size])
+                ids = torch.from_numpy(batch).to(device)
+                with contextlib.suppress(_StopForward):
+                    model(input_ids=ids, use_cache=False)
+    finally:
+        layers[0] = original
+    return captured
+
+
+def weight_files(folder: Path) -> dict[str, Path]:
+    """Checkpoint key -> the safetensors file holding it (single file or sharded index)."""
+    from safetensors import SafetensorError, safe_open
+
+    index = folder / INDEX_FILE
+    try:
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {key: folder / name for key, name in weight_map.items()}
+        single = folder / SINGLE_FILE
+        if single.is_file():
+            with safe_open(str(single), "pt") as handle:
+                return dict.fromkeys(handle.keys(), single)
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+        raise SourceError(
+            f"cannot read the weight index of {folder} ({' '.join(str(exc).split())}): "
+            "re-save or re-download the checkpoint"
+        ) from None
+    raise SourceError(f"{folder} holds no {SINGLE_FILE} or {INDEX_FILE}: save the checkpoint as safetensors")
+
+
+class StreamedCheckpoint:
+    """A Llama checkpoint as a ``meta`` skeleton whose modules are materialized one at a time.
+
+    ``model`` is the skeleton (a ``LlamaForCausalLM``): use it for module names and shapes, and
+    call modules only after :meth:`materialize`. Floating-point tensors are materialized in the
+    placement's dtype on its device.
+    """
+
+    def __init__(self, folder: Path, placement: ResolvedPlacement = CPU_FLOAT32) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.folder = Path(folder)
+        self.placement = placement
+        try:
+            self.config = AutoConfig.from_pretrained(self.folder, trust_remote_code=False)
+        except Exception as exc:  # transformers raises many types for a bad config.json
+            raise SourceError(
+                f"cannot read the config of {self.folder} ({' '.join(str(exc).split())[:300]}): "
+                "re-save or re-download the checkpoint"
+            ) from None
+        self.files = weight_files(self.folder)
+        with torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(self.config, trust_remote_code=False).eval()
+        # The checkpoint ties the head to the embedding when it stores no head of its own.
+        self.tied = f"{LM_HEAD}.weight" not in self.files and bool(
+            getattr(self.config, "tie_word_embeddings", False)
+        )
+        self._rotary_on_device()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.model.layers)
+
+    def layer_prefix(self, index: int) -> str:
+        return f"model.layers.{index}"
+
+    def module(self, prefix: str) -> Any:
+        return self.model.get_submodule(prefix)
+
+    def source_key(self, name: str) -> str:
+        """The checkpoint key of the skeleton's tensor ``name`` (a tied head reads the embedding)."""
+        if name in self.files:
+            return name
+        if name == f"{LM_HEAD}.weight" and self.tied:
+            return f"{EMBEDDINGS}.weight"
+        raise SourceError(f"{self.folder}: the checkpoint has no tensor {name}: re-save or re-download it")
+
+    def read(self, names: Iterable[str]) -> dict[str, Any]:
+        """The checkpoint's tensors for the skeleton's tensor ``names``, on the CPU in their stored
+        dtype. Each file is opened for this read only."""
+        from safetensors import SafetensorError, safe_open
+
+        by_file: dict[Path, list[tuple[str, str]]] = {}
+        for name in names:
+            key = self.source_key(name)
+            by_file.setdefault(self.files[key], []).append((name, key))
+        tensors = {}
+        for path, pairs in by_file.items():
+            try:
+                with safe_open(str(path), "pt") as handle:
+                    for name, key in pairs:
+                        tensors[name] = handle.get_tensor(key)
+            except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+                raise SourceError(
+                    f"cannot read {path} ({' '.join(str(exc).split())[:300]}): re-save or re-download it"
+                ) from None
+        return tensors
+
+    def tensor_names(self, prefix: str) -> list[str]:
+        """Full names of the persistent tensors (parameters and buffers) of module ``prefix``."""
+        module = self.module(prefix)
+        return [f"{prefix}.{name}" for name in module.state_dict(keep_vars=True)]
+
+    def materialize(self, prefix: str) -> Any:
+        """Load module ``prefix`` (a decoder block, ``model.embed_tokens``, ``model.norm``,
+        ``lm_head``) from the checkpoint onto the placement's device and dtype; return it."""
+        module = self.module(prefix)
+        names = self.tensor_names(prefix)
+        stored = self.read(names)
+        state = {}
+        for name in names:
+            tensor = stored.pop(name)
+            dtype = self.placement.dtype if tensor.is_floating_point() else tensor.dtype
+            state[name[len(prefix) + 1 :]] = tensor.to(device=self.placement.torch_device, dtype=dtype)
+        module.load_state_dict(state, strict=True, assign=True)
+        return module
+
+    def release(self, prefix: str) -> None:
+        """Send module ``prefix`` back to ``meta`` (its memory is freed and handed back to the OS:
+        ``pipeline.allocator.return_freed_memory``)."""
+        from pipeline.allocator import return_freed_memory
+
+        self.module(prefix).to("meta")
+        return_freed_memory()
+
+    def untie_lm_head(self) -> bool:
+        """Make the output hold its own ``lm_head`` (read from the embedding when tied); whether
+        the checkpoint was tied. As :func:`passes.int4.untie_lm_head`, for a streamed model."""
+        tied = self.tied
+        self.config.tie_word_embeddings = False
+        self.model.config.tie_word_embeddings = False
+        return tied
+
+    @property
+    def output_tied(self) -> bool:
+        """Whether the output checkpoint ties its head (then it stores no ``lm_head.weight``)."""
+        return self.tied and bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def first_block_inputs(self, windows: np.ndarray, batch_size: int) -> LayerInputs:
+        """The first decoder block's inputs on ``windows``: the embeddings are materialized for
+        the capture and released after it."""
+        self.materialize(EMBEDDINGS)
+        try:
+            return capture_first_block_inputs(self.model, windows, batch_size, self.placement.torch_device)
+        finally:
+            self.release(EMBEDDINGS)
+
+    def output_tensors(
+        self, prefix: str, overrides: dict[str, Any] | None = None, dtype: Any = None
+    ) -> dict[str, Any]:
+        """The tensors of materialized module ``prefix`` to write (full names, CPU, contiguous, in
+        ``dtype``, default float32 for floating tensors). ``overrides`` (full names) replace the
+        module's values (e.g. the exact dequantized weights of quantized linears). A tensor the
+        pass left unchanged is taken from the checkpoint, so a lower-precision compute dtype does
+        not round it."""
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
+        overrides = overrides or {}
+        module = self.module(prefix)
+        current = {f"{prefix}.{k}": v.detach() for k, v in module.state_dict().items()}
+        lowered = self.placement.dtype != torch.float32
+        stored = self.read([n for n in current if n not in overrides]) if lowered else {}
+        out = {}
+        for name, value in current.items():
+            if name in overrides:
+                value = overrides[name]
+            elif name in stored:
+                original = stored.pop(name)
+                same = original.to(device=value.device, dtype=value.dtype)
+                if torch.equal(same, value):
+                    value = original
+            target = dtype if value.is_floating_point() else value.dtype
+            out[name] = value.to(device="cpu", dtype=target).contiguous()
+        return out
+
+    def generation_config(self) -> Any:
+        """The checkpoint's generation config (as ``from_pretrained`` gives a model), or None."""
+        from transformers import GenerationConfig
+
+        if not self.model.can_generate():
+            return None
+        try:
+            return GenerationConfig.from_pretrained(self.folder)
+        except OSError:  # no generation_config.json: transformers derives one from the config
+            return GenerationConfig.from_model_config(self.config)
+
+    def _rotary_on_device(self) -> None:
+        """Rebuild the (weightless) rotary embedding on the device: its buffers are computed."""
+        import torch
+
+        inner = self.model.model
+        rotary = getattr(inner, "rotary_emb", None)
+        if rotary is not None:
+            with torch.device("cpu"):
+                fresh = type(rotary)(config=self.config)
+            inner.rotary_emb = fresh.to(self.placement.torch_device)
+
+
+class CheckpointWriter:
+    """Writes a checkpoint one shard at a time: ``write`` one module's (or a few modules')
+    tensors as they are produced, ``finish`` the index and the configs. Shards are named
+    ``model-00001-of-000NN.safetensors`` (transformers' scheme) once their number is known."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.weight_map: dict[str, str] = {}
+        self.shards: list[str] = []
+        self.total_size = 0
+
+    def write(self, tensors: dict[str, Any]) -> None:
+        """Write ``tensors`` (full names, CPU) as the next shard."""
+        from safetensors.torch import save_file
+
+        if not tensors:
+            return
+        clash = sorted(set(tensors) & set(self.weight_map))
+        if clash:
+            raise ValueError(f"tensors written twice: {clash[:3]}")
+        name = f"model-{len(self.shards) + 1:05d}.safetensors"
+        save_file(tensors, str(self.out_dir / name), metadata=SHARD_METADATA)
+        self.shards.append(name)
+        for key, value in tensors.items():
+            self.weight_map[key] = name
+            self.total_size += value.numel() * value.element_size()
+
+    def finish(self, config: Any, generation_config: Any = None, dtype: Any = None) -> None:
+        """Rename the shards to their final names and write the index, ``config.json`` (with
+        ``dtype``, default float32, as the dtype of the saved weights) and ``generation_config.json``."""
+        import torch
+
+        total = len(self.shards)
+        final = {old: f"model-{i:05d}-of-{total:05d}.safetensors" for i, old in enumerate(self.shards, 1)}
+        for old, new in final.items():
+            (self.out_dir / old).rename(self.out_dir / new)
+        index = {
+            "metadata": {"total_size": self.total_size},
+            "weight_map": {key: final[name] for key, name in sorted(self.weight_map.items())},
+        }
+        (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        config.dtype = torch.float32 if dtype is None else dtype
+        config.save_pretrained(self.out_dir)
+        if generation_config is not None:
+            generation_config.save_pretrained(self.out_dir)
