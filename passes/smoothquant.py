@@ -30,8 +30,20 @@ MatMul input equals the torch ``Linear`` input, so the graph pass needs no secon
 (The per-channel absmax collection here is deliberately minimal; once ``calibration/observers.py``
 lands, the per-tensor range should come from its observers, e.g. percentile or MSE.)
 
-``run`` checks that the smoothed checkpoint, reloaded from disk, computes the same logits as the
-input on a calibration window (``parity_tolerance``); ``ensures`` checks the recorded statistics.
+Scale (issue 21): the pass streams the checkpoint one decoder block at a time
+(``calibration/streaming.py``; llm-compressor's sequential pipeline and GPTQ's reference code do
+the same): a block is read from the safetensors, the calibration activations pass through it
+(its unsmoothed outputs feed the next block, so the statistics equal a whole-model forward's),
+its groups are smoothed, it is written as one shard and freed. Peak memory is one block plus the
+calibration activations at one layer plus the embeddings, whatever the depth. Blocks compute on
+``pipeline.device`` in ``pipeline.torch_dtype``; statistics and scales are float32, and the scales
+are folded into a float32 copy of the weights, so the output is float32 safetensors as before.
+:func:`smooth_model` / :func:`collect_channel_absmax` are the whole-model form of the same
+computation (tests compare the two).
+
+``run`` checks that the smoothed model computes the same float32 logits as the input on a probe
+window (``parity_tolerance``), pushing the probe through each block before and after smoothing as
+it streams by; ``ensures`` checks the recorded statistics.
 """
 
 from __future__ import annotations
@@ -50,6 +62,7 @@ from passes.selection import check_patterns, matches
 from pipeline.artifacts import Artifact, Kind, write_json, write_metadata
 from pipeline.base import Pass
 from pipeline.errors import CalibrationError, PassError
+from pipeline.placement import CPU_FLOAT32, ResolvedPlacement
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +71,7 @@ INT8_DIR = "int8"
 ACTIVATIONS_FILE = "activations.json"
 FORMAT_VERSION = 1
 MIN_SCALE = 1e-5  # the reference implementation's clamp of weight maxima and smoothing scales
+PROBE_TOKENS = 64  # the parity probe: the first calibration window, cut to this many tokens
 
 
 @dataclass
@@ -188,27 +202,29 @@ class SmoothGroup:
     consumers: list[str]
 
 
-def smoothing_groups(model: Any, smooth_o_proj: bool, smooth_down_proj: bool) -> list[SmoothGroup]:
-    groups = []
-    for index, _layer in enumerate(model.model.layers):
-        p = f"model.layers.{index}"
-        attn, mlp = f"{p}.self_attn", f"{p}.mlp"
-        groups.append(
-            SmoothGroup(f"{p}.qkv", "norm", f"{p}.input_layernorm", [f"{attn}.{x}_proj" for x in "qkv"])
+def layer_groups(index: int, smooth_o_proj: bool, smooth_down_proj: bool) -> list[SmoothGroup]:
+    """The smoothing groups of decoder layer ``index`` (each group lies inside one layer)."""
+    p = f"model.layers.{index}"
+    attn, mlp = f"{p}.self_attn", f"{p}.mlp"
+    groups = [SmoothGroup(f"{p}.qkv", "norm", f"{p}.input_layernorm", [f"{attn}.{x}_proj" for x in "qkv"])]
+    if smooth_o_proj:
+        groups.append(SmoothGroup(f"{p}.o", "v", f"{attn}.v_proj", [f"{attn}.o_proj"]))
+    groups.append(
+        SmoothGroup(
+            f"{p}.gate_up", "norm", f"{p}.post_attention_layernorm", [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
         )
-        if smooth_o_proj:
-            groups.append(SmoothGroup(f"{p}.o", "v", f"{attn}.v_proj", [f"{attn}.o_proj"]))
-        groups.append(
-            SmoothGroup(
-                f"{p}.gate_up",
-                "norm",
-                f"{p}.post_attention_layernorm",
-                [f"{mlp}.gate_proj", f"{mlp}.up_proj"],
-            )
-        )
-        if smooth_down_proj:
-            groups.append(SmoothGroup(f"{p}.down", "up", f"{mlp}.up_proj", [f"{mlp}.down_proj"]))
+    )
+    if smooth_down_proj:
+        groups.append(SmoothGroup(f"{p}.down", "up", f"{mlp}.up_proj", [f"{mlp}.down_proj"]))
     return groups
+
+
+def smoothing_groups(model: Any, smooth_o_proj: bool, smooth_down_proj: bool) -> list[SmoothGroup]:
+    return [
+        group
+        for index in range(len(model.model.layers))
+        for group in layer_groups(index, smooth_o_proj, smooth_down_proj)
+    ]
 
 
 def smoothing_scales(act_absmax: Any, weights: list[Any], alpha: float) -> Any:
@@ -238,15 +254,26 @@ def smooth_model(
     """Apply SmoothQuant in place (``alphas``: per-group migration strength, default
     ``config.alpha``); return the scale each linear input was divided by (module -> [in] tensor;
     absent: 1) and the names of the smoothed groups."""
+    groups = smoothing_groups(model, config.smooth_o_proj, config.smooth_down_proj)
+    return smooth_modules(dict(model.named_modules()), groups, stats, config, model.config, alphas)
+
+
+def smooth_modules(
+    modules: dict[str, Any],
+    groups: list[SmoothGroup],
+    stats: dict[str, Any],
+    config: SmoothQuantConfig,
+    hf: Any,
+    alphas: dict[str, float] | None = None,
+) -> tuple[dict[str, Any], list[str]]:
+    """:func:`smooth_model` on the ``groups`` whose modules are in ``modules`` (by full module name:
+    the whole model, or one decoder block as it streams by); ``hf`` is the model's config."""
     import torch
 
-    modules = dict(model.named_modules())
-    hf = model.config
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     divided: dict[str, Any] = {}
     done: list[str] = []
-    groups = smoothing_groups(model, config.smooth_o_proj, config.smooth_down_proj)
     with torch.no_grad():
         for group in groups:
             if all(matches(c, config.exclude + config.weight_only) for c in group.consumers):
@@ -289,10 +316,173 @@ def activation_ranges(stats: dict[str, Any], divided: dict[str, Any]) -> dict[st
     return ranges
 
 
-def _weights_tied(model: Any) -> bool:
-    head = getattr(model, "lm_head", None)
-    embed = model.get_input_embeddings()
-    return head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
+# --------------------------------------------------------------------------------------------
+# One decoder block at a time
+
+
+def block_modules(layer: Any, prefix: str) -> dict[str, Any]:
+    """The modules of one decoder block by their full name in the model (``model.layers.3.mlp``)."""
+    return {f"{prefix}.{name}" if name else prefix: module for name, module in layer.named_modules()}
+
+
+def check_finite_stats(stats: dict[str, Any]) -> None:
+    import torch
+
+    for name, value in stats.items():
+        if not bool(torch.isfinite(value).all()):
+            raise CalibrationError(
+                f"quant.calibration: the input statistics of {name} hold NaN/inf on the calibration text "
+                "(the checkpoint overflows in fp32); exclude it (quant.exclude) or check the weights"
+            )
+
+
+def calibrate_block(
+    layer: Any, prefix: str, hidden: list[Any], kwargs: list[dict[str, Any]]
+) -> tuple[dict[str, Any], list[Any]]:
+    """Push each calibration batch through one decoder block: the per-channel ``max|X_j|`` of each of
+    its linear inputs (float32, on the block's device) and the block's outputs (the next block's
+    inputs). Raises CalibrationError on NaN/inf."""
+    import torch
+
+    linears = {n: m for n, m in block_modules(layer, prefix).items() if isinstance(m, torch.nn.Linear)}
+    stats: dict[str, Any] = {}
+
+    def hook(name: str) -> Any:
+        def record(_module: Any, args: tuple[Any, ...]) -> None:
+            x = args[0].detach()
+            # The max of bf16/fp16 values is exact, so cast after the reduction; float32 from here on.
+            current = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+            stats[name] = current if name not in stats else torch.maximum(stats[name], current)
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+    outputs = []
+    try:
+        with torch.inference_mode():
+            for h, kw in zip(hidden, kwargs, strict=True):
+                out = layer(h, **kw)
+                outputs.append(out[0] if isinstance(out, tuple) else out)
+    finally:
+        for handle in handles:
+            handle.remove()
+    check_finite_stats(stats)
+    missing = sorted(set(linears) - set(stats))
+    if missing:
+        raise CalibrationError(f"quant.calibration: no activation reached {missing[0]} during calibration")
+    return stats, outputs
+
+
+@dataclass
+class Streamed:
+    """What :func:`smooth_streamed` measured: the unsmoothed per-channel statistics (module ->
+    [in] float32), the divisors of the smoothed inputs, the smoothed groups, the calibration token
+    count, and the float32 logits of the probe window through the input and the smoothed model."""
+
+    stats: dict[str, Any]
+    divided: dict[str, Any]
+    groups: list[str]
+    tokens: int
+    tied: bool
+    reference: Any
+    logits: Any
+
+
+def smooth_streamed(
+    source: Path,
+    out_dir: Path,
+    windows: np.ndarray,
+    config: SmoothQuantConfig,
+    placement: ResolvedPlacement = CPU_FLOAT32,
+) -> Streamed:
+    """SmoothQuant one decoder block at a time (the scheme of llm-compressor's sequential pipeline
+    and GPTQ's reference code, on ``calibration/streaming.py``): per block, load its weights from
+    the safetensors, push the calibration activations through it collecting its inputs'
+    per-channel ``max|X_j|``, fold the smoothing scales into its weights (:func:`smooth_modules`,
+    as :func:`smooth_model` does for the whole model), write it and free it. The block's unsmoothed
+    outputs are the next block's inputs, so every statistic is the one a whole-model forward
+    collects. Peak memory: one block (float32, plus a copy in the compute dtype when that differs)
+    + the calibration activations at one layer + the embeddings (or the head).
+
+    Blocks compute on ``placement``; statistics and scales are float32, and the scales are folded
+    into a float32 copy of the weights, which is what is written (float32 safetensors, as
+    ``save_pretrained`` wrote before). The parity probe (one window, <= 64 tokens) runs in float32
+    through each block before and after smoothing, so it does not depend on the compute dtype and
+    needs no reload of the written model."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from calibration.streaming import EMBEDDINGS, FINAL_NORM, LM_HEAD, CheckpointWriter, StreamedCheckpoint
+
+    fp32 = ResolvedPlacement(placement.device, "float32")
+    master = StreamedCheckpoint(source, fp32)  # the weights that are smoothed and written
+    lowered = placement.dtype != torch.float32
+    compute = StreamedCheckpoint(source, placement) if lowered else master  # calibration forwards
+    writer = CheckpointWriter(out_dir)
+
+    # Embeddings, final norm, head: unchanged (SmoothQuant leaves them), written as read.
+    rest = [*master.tensor_names(EMBEDDINGS), *master.tensor_names(FINAL_NORM)]
+    if not master.output_tied:
+        rest += master.tensor_names(LM_HEAD)
+    writer.write({n: t.float().contiguous() for n, t in master.read(rest).items()})
+
+    probe_windows = windows[:1, : min(PROBE_TOKENS, windows.shape[1])]
+    probe = master.first_block_inputs(probe_windows, 1)
+    probe_kwargs = probe.kwargs[0]
+    reference = smoothed = probe.hidden[0]
+    inputs = compute.first_block_inputs(windows, config.batch_size)
+    hidden, kwargs, tokens = inputs.hidden, inputs.kwargs, inputs.tokens
+    stats: dict[str, Any] = {}
+    divided: dict[str, Any] = {}
+    groups: list[str] = []
+    with torch.inference_mode():
+        for index in tqdm(range(master.num_layers), desc="smoothquant: blocks", unit="block"):
+            prefix = master.layer_prefix(index)
+            layer = master.materialize(prefix)
+            block = compute.materialize(prefix) if lowered else layer
+            block_stats, hidden = calibrate_block(block, prefix, hidden, kwargs)
+            if lowered:
+                compute.release(prefix)
+            del block
+            stats.update(block_stats)
+            reference = _block_output(layer, reference, probe_kwargs)
+            if config.smooth:
+                block_divided, done = smooth_modules(
+                    block_modules(layer, prefix),
+                    layer_groups(index, config.smooth_o_proj, config.smooth_down_proj),
+                    block_stats,
+                    config,
+                    master.config,
+                )
+                divided.update(block_divided)
+                groups.extend(done)
+            smoothed = _block_output(layer, smoothed, probe_kwargs)
+            writer.write(master.output_tensors(prefix))
+            master.release(prefix)  # hands the freed memory back to the OS (pipeline/allocator.py)
+
+        # lm_head reads the final norm of the last hidden state: no [batch, seq, vocab] logits.
+        norm = compute.materialize(FINAL_NORM)
+        head_stats = None
+        for h in hidden:
+            x = norm(h)
+            current = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+            head_stats = current if head_stats is None else torch.maximum(head_stats, current)
+        del hidden
+        stats[LM_HEAD] = head_stats
+        check_finite_stats({LM_HEAD: head_stats})
+        if lowered:
+            compute.release(FINAL_NORM)
+        norm, head = master.materialize(FINAL_NORM), master.materialize(LM_HEAD)
+        reference, logits = (head(norm(h)).float() for h in (reference, smoothed))
+        master.release(FINAL_NORM)
+        master.release(LM_HEAD)
+    writer.finish(master.config, master.generation_config())
+    return Streamed(stats, divided, groups, tokens, master.tied, reference, logits)
+
+
+def _block_output(layer: Any, hidden: Any, kwargs: dict[str, Any]) -> Any:
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,9 +494,11 @@ class SmoothQuantPass(Pass):
 
     Config = SmoothQuantConfig
     name = "smoothquant"
-    version = 1
+    version = 2  # 2: block-streamed, on pipeline.device / pipeline.torch_dtype
     consumes = Kind.TORCH
     produces = Kind.TORCH
+    placement_knobs = ("device", "torch_dtype")
+    memory_profile = "block"
 
     def requires(self, source: Artifact) -> None:
         validate(self.config)
@@ -317,33 +509,29 @@ class SmoothQuantPass(Pass):
             )
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
-        import torch
-
-        from pipeline.torch_model import copy_beside_weights, load_causal_lm, load_tokenizer
+        from calibration.streaming import StreamedCheckpoint
+        from pipeline.torch_model import copy_beside_weights, load_tokenizer
 
         config = self.config
         validate(config)
-        model = load_causal_lm(source.path)
-        modules = linear_modules(model)
-        check_patterns(list(modules), config.exclude)
-        check_patterns(list(modules), config.weight_only, "quant.weight_only")
-        tied = _weights_tied(model)
+        names = list(linear_modules(StreamedCheckpoint(source.path).model))
+        check_patterns(names, config.exclude)
+        check_patterns(names, config.weight_only, "quant.weight_only")
         windows = token_windows(load_tokenizer(source.path), config.calibration)
-        probe = torch.from_numpy(np.ascontiguousarray(windows[:1, : min(64, windows.shape[1])]))
-        with torch.inference_mode():
-            reference = model(input_ids=probe, use_cache=False).logits.float()
         log.info(
-            "smoothquant: calibrating on %d windows x %d tokens", len(windows), config.calibration.seq_len
+            "smoothquant: calibrating on %d windows x %d tokens, block by block on %s in %s",
+            len(windows),
+            config.calibration.seq_len,
+            self.placement.device,
+            self.placement.torch_dtype,
         )
-        stats, tokens = collect_channel_absmax(model, windows, config.batch_size, modules)
-        divided, groups = smooth_model(model, stats, config) if config.smooth else ({}, [])
-        if tied and not _weights_tied(model):
-            raise PassError("smoothquant: smoothing untied lm_head from embed_tokens (a bug)")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        copy_beside_weights(source.path, out_dir)  # before the weights: their config.json wins
+        streamed = smooth_streamed(source.path, out_dir, windows, config, self.placement)
+        stats, divided, groups, tokens = streamed.stats, streamed.divided, streamed.groups, streamed.tokens
+        tied = streamed.tied
         ranges = activation_ranges(stats, divided)
         log.info("smoothquant: alpha=%.2f, %d groups smoothed", config.alpha, len(groups))
-
-        copy_beside_weights(source.path, out_dir)
-        model.save_pretrained(out_dir)
         info = {
             "algorithm": "smoothquant",
             "alpha": config.alpha,
@@ -367,9 +555,7 @@ class SmoothQuantPass(Pass):
         )
         write_metadata(out_dir, Kind.TORCH, {**source.metadata, "smoothquant": info})
 
-        reloaded = load_causal_lm(out_dir)
-        with torch.inference_mode():
-            logits = reloaded(input_ids=probe, use_cache=False).logits.float()
+        reference, logits = streamed.reference, streamed.logits
         diff = float((logits - reference).abs().max())
         relative = diff / max(float(reference.abs().max()), 1e-12)
         agree = float((logits.argmax(-1) == reference.argmax(-1)).float().mean())

@@ -12,9 +12,17 @@ import pytest
 import torch
 
 from calibration.datasets import CalibrationConfig, token_windows
-from passes.smoothquant import ACTIVATIONS_FILE, SmoothQuantPass
+from passes.smoothquant import (
+    ACTIVATIONS_FILE,
+    SmoothQuantConfig,
+    SmoothQuantPass,
+    activation_ranges,
+    collect_channel_absmax,
+    smooth_model,
+)
 from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import CalibrationError, ConfigError, PassError
+from pipeline.placement import CPU_FLOAT32, ResolvedPlacement
 from pipeline.torch_model import load_causal_lm, load_tokenizer
 from tests.conftest import make_tiny_llama
 
@@ -96,8 +104,10 @@ def test_weights_change_and_the_tied_head_does_not(
 
 def test_output_folder_keeps_the_source_files(tiny_source: Artifact, smoothed: tuple[Artifact, dict]) -> None:
     result = smoothed[0]
-    source_files = {p.name for p in tiny_source.path.iterdir()}
+    # The weights are written block by block as shards (issue 21), not as one model.safetensors.
+    source_files = {p.name for p in tiny_source.path.iterdir() if p.name != "model.safetensors"}
     assert source_files <= {p.name for p in result.path.iterdir()}
+    assert (result.path / "model.safetensors.index.json").is_file()
     assert (result.path / "extras" / "int8" / ACTIVATIONS_FILE).is_file()
     assert result.metadata["smoothquant"]["alpha"] == ALPHA
 
@@ -204,3 +214,70 @@ def test_non_finite_statistics_are_a_calibration_error(tmp_path: Path) -> None:
     model.save_pretrained(folder)
     with pytest.raises(CalibrationError, match=r"quant.calibration: the input statistics of .* NaN/inf"):
         SmoothQuantPass(calibration=CALIBRATION).run(Artifact.from_dir(Kind.TORCH, folder), tmp_path / "out")
+
+
+# --------------------------------------------------------------------------------------------
+# Block streaming and placement (issue 21)
+
+
+def whole_model_smoothquant(
+    folder: Path, config: dict, placement: ResolvedPlacement = CPU_FLOAT32
+) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, float]]:
+    """Today's whole-model path, kept as functions: statistics from one forward of the whole model
+    (on ``placement``), smoothing of the float32 weights. The state dict, the smoothed ranges and
+    the unsmoothed ones."""
+    cfg = SmoothQuantConfig(**config)
+    ids = token_windows(load_tokenizer(folder), cfg.calibration)
+    compute = load_causal_lm(folder, placement=placement)
+    stats, _ = collect_channel_absmax(compute, ids, cfg.batch_size)
+    model = load_causal_lm(folder)
+    divided, _ = smooth_model(model, stats, cfg) if cfg.smooth else ({}, [])
+    unsmoothed = {n: float(v.max()) for n, v in stats.items()}
+    return model.state_dict(), activation_ranges(stats, divided), unsmoothed
+
+
+def assert_streamed_equals_whole(result: Artifact, whole: tuple) -> None:
+    state, ranges, unsmoothed = whole
+    saved = load_causal_lm(result.path).state_dict()
+    assert set(saved) == set(state)
+    for name, value in state.items():
+        # Same operations on the same float32 inputs in the same order: bitwise equal.
+        assert torch.equal(saved[name], value), (name, (saved[name] - value).abs().max())
+    recorded = json.loads((result.path / "extras" / "int8" / ACTIVATIONS_FILE).read_text())
+    assert recorded["absmax"] == ranges
+    assert recorded["absmax_unsmoothed"] == unsmoothed
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_streamed_pass_equals_the_whole_model_path(tmp_path: Path, tied: bool) -> None:
+    """Block by block (several calibration batches, tied and untied head) gives today's weights
+    and ranges exactly: each block sees the unsmoothed outputs of the one before, as in the
+    whole-model forward, and the smoothing runs the same float32 operations per group."""
+    folder = make_tiny_llama(tmp_path / "source", seed=3, tie_word_embeddings=tied)
+    config = {"alpha": ALPHA, "calibration": CALIBRATION, "batch_size": 3}
+    result, metrics = smooth(Artifact.from_dir(Kind.TORCH, folder), tmp_path / "out", **config)
+    assert_streamed_equals_whole(result, whole_model_smoothquant(folder, config))
+    assert metrics["fp32_parity"]["relative"] < 1e-5
+    assert not (result.path / "model.safetensors").exists()  # shards + index, written per block
+    index = json.loads((result.path / "model.safetensors.index.json").read_text())
+    assert ("lm_head.weight" in index["weight_map"]) is not tied
+    assert json.loads((result.path / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_bfloat16_placement_computes_in_bfloat16(tiny_source: Artifact, tmp_path: Path) -> None:
+    """pipeline.torch_dtype=bfloat16: the statistics are those of a bfloat16 forward (so this fails
+    if the pass ignores its placement), the scales are folded into the float32 weights, which are
+    written in float32, and the parity probe still holds in float32."""
+    bf16 = ResolvedPlacement("cpu", "bfloat16")
+    step = SmoothQuantPass(alpha=ALPHA, calibration=CALIBRATION, weight_only=[])
+    step.placement = bf16
+    metrics = step.run(tiny_source, tmp_path / "out")
+    result = Artifact.from_dir(Kind.TORCH, tmp_path / "out")
+    whole = whole_model_smoothquant(tiny_source.path, {"alpha": ALPHA, "calibration": CALIBRATION}, bf16)
+    assert_streamed_equals_whole(result, whole)
+    fp32 = whole_model_smoothquant(tiny_source.path, {"alpha": ALPHA, "calibration": CALIBRATION})
+    assert whole[2] != fp32[2]  # bfloat16 statistics differ from float32 ones: the knob is seen
+    assert all(v.dtype == torch.float32 for v in load_causal_lm(result.path).state_dict().values())
+    assert metrics["fp32_parity"]["relative"] < 1e-5
+    assert SmoothQuantPass.placement_knobs == ("device", "torch_dtype")
+    assert SmoothQuantPass.memory_profile == "block"
