@@ -10,14 +10,16 @@ runtime's contract: target, providers and their options, session options, IO sha
 the folder. Graph optimizations run when the session is created on the serving machine:
 ORT's offline-optimized models at level "all" are tied to the hardware they were made on.
 
-``ensures``: the folder loads in a real ONNX Runtime session whose inputs and outputs are
-exactly the declared names, and a short forward gives finite logits.
+The engine folder holds the graph's files as hard links (``pipeline.graph_io.link_graph_folder``;
+copies only across file systems): a build adds the two JSON files to disk, not the weights.
+
+``ensures``: no unreferenced external-data file; the folder loads in a real ONNX Runtime session
+whose inputs and outputs are exactly the declared names, and a short forward gives finite logits.
 """
 
 from __future__ import annotations
 
 import enum
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,11 +27,12 @@ from typing import Any
 import numpy as np
 
 from passes.fusion.kv_cache_dtype import CACHE_TYPES as GQA_CACHE_TYPES
-from pipeline.artifacts import Artifact, Kind, read_metadata, write_json, write_metadata
+from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_json, write_metadata
 from pipeline.base import Pass
 from pipeline.config import register_pass
 from pipeline.errors import PassError
 from pipeline.gpu import require_ort_provider
+from pipeline.graph_io import check_data_files, link_graph_folder
 from pipeline.lint import lint
 from pipeline.runtime.ort import ENGINE_FILE, Engine, graph_ops
 
@@ -200,7 +203,8 @@ def gqa_cache_options(kv: dict[str, Any]) -> list[str]:
 class OrtCpuBuildPass(Pass):
     Config = OrtCpuTargetConfig
     name = "build"
-    version = 1
+    version = 2  # 2: the graph's files hard-linked into the engine folder, not copied
+    memory_profile = "graph"  # files linked; ensures opens one ONNX Runtime session
     consumes = Kind.GRAPH
     produces = Kind.ENGINE
 
@@ -217,9 +221,10 @@ class OrtCpuBuildPass(Pass):
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         metadata = read_metadata(source.path)
-        for item in source.path.iterdir():
-            if item.is_file() and item.name != "artifact.json":
-                shutil.copy2(item, out_dir / item.name)
+        # The graph's files (model, external data, tokenizer) hard-linked, never copied; not its
+        # folders (extras/: what the passes before needed).
+        folders = tuple(item.name for item in source.path.iterdir() if item.is_dir())
+        linked = link_graph_folder(source.path, out_dir, skip=(ARTIFACT_FILE, *folders))
         max_length = engine_max_length(metadata, self.config.max_length)
         threads = self.config.intra_op_num_threads
         write_json(
@@ -258,7 +263,7 @@ class OrtCpuBuildPass(Pass):
         write_metadata(
             out_dir, Kind.ENGINE, {**metadata, "target": self.config.name, "max_length": max_length}
         )
-        return {"max_length": max_length}
+        return {"max_length": max_length, "disk": linked.as_dict()}
 
     def providers(self) -> list[str]:
         return ["CPUExecutionProvider"]
@@ -271,6 +276,7 @@ class OrtCpuBuildPass(Pass):
         return [{}]
 
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
+        check_data_files(result.path, self.name)
         engine = Engine(result.path)
         session = engine.model.session
         active = session.get_providers()

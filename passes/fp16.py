@@ -13,6 +13,11 @@ For ``target=tensorrt`` this is how an FP16 engine is made: TensorRT 11 builds s
 networks, so half precision must be in the graph (there is no FP16 builder flag any more).
 ONNX Runtime on CPU runs the graph too (slower than fp32 there: few fp16 CPU kernels), which is
 how ``ensures`` and the gate judge its numerics.
+
+Memory: the converter takes an ``onnx.ModelProto`` with its weights, so this pass holds the fp32
+weights once (``pipeline.graph_io.load_proto``, no second copy) plus the fp16 ones it makes; the
+result is written through ``pipeline.graph_io.save_graph`` from the converted protobuf's tensors
+(no further copy). Rewriting the converter on onnx-ir would lift that; we keep ONNX Runtime's.
 """
 
 from __future__ import annotations
@@ -21,13 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from passes.fp8 import PARITY_PROMPT, compare_graphs, copy_graph_folder
+from passes.fp8 import PARITY_PROMPT
 from pipeline.artifacts import Artifact, Kind, read_metadata, write_metadata
 from pipeline.base import Pass
 from pipeline.config import register_pass
 from pipeline.errors import PassError
-
-DATA_FILE = "model.onnx.data"
+from pipeline.graph_io import check_data_files, compare_graphs, link_folder_files, load_proto, save_graph
 
 
 @dataclass
@@ -47,7 +51,7 @@ register_pass("quant", "fp16", Fp16Config)
 class Fp16Pass(Pass):
     Config = Fp16Config
     name = "fp16"
-    version = 1
+    version = 2  # 2: written through pipeline/graph_io.py (sharded data, other files hard-linked)
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
 
@@ -60,36 +64,35 @@ class Fp16Pass(Pass):
             )
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
-        import onnx
+        import onnx_ir as ir
         from onnxruntime.transformers.float16 import convert_float_to_float16
 
         metadata = read_metadata(source.path)
         model_file = metadata.get("model_file", "model.onnx")
-        model = onnx.load(str(source.path / model_file))
+        # ONNX Runtime's converter works on protobuf with the weights in it: the one place the
+        # fp32 weights are all in memory (plus the fp16 ones it makes); see the module docstring.
+        model = load_proto(source.path, model_file)
         casts_before = sum(n.op_type == "Cast" for n in model.graph.node)  # the converter edits in place
         converted = convert_float_to_float16(
             model, keep_io_types=True, op_block_list=list(self.config.keep_fp32_ops), disable_shape_infer=True
         )
-        copy_graph_folder(source.path, out_dir, skip=(model_file, DATA_FILE, "artifact.json"))
-        onnx.save(
-            converted,
-            str(out_dir / model_file),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=DATA_FILE,
-            size_threshold=1024,
-        )
+        del model
         fp32_ops = sorted({n.op_type for n in converted.graph.node} & set(self.config.keep_fp32_ops))
+        casts = sum(n.op_type == "Cast" for n in converted.graph.node) - casts_before
+        # The IR wraps the converted protobuf's tensors (no copy); every weight changed: all written.
+        saved = save_graph(ir.serde.deserialize_model(converted), out_dir, name=model_file)
+        del converted
+        link_folder_files(source.path, out_dir)
         quantization = {
             "scheme": "fp16",
             "converter": "onnxruntime.transformers.float16",
             "fp32_ops": fp32_ops,
         }
         write_metadata(out_dir, Kind.GRAPH, {**metadata, "quantization": quantization})
-        casts = sum(n.op_type == "Cast" for n in converted.graph.node) - casts_before
-        return {"added_casts": casts, "fp32_ops": fp32_ops}
+        return {"added_casts": casts, "fp32_ops": fp32_ops, "disk": saved.as_dict()}
 
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
+        check_data_files(result.path, self.name)
         agreement = compare_graphs(source.path, result.path, PARITY_PROMPT)
         if not agreement["finite"]:
             raise PassError("fp16: the fp16 graph produced non-finite logits on a fixed prompt")

@@ -29,15 +29,16 @@ The recipe is two graph -> graph passes, each cached on its own:
 2. ``fp8-qdq``: computes the scales and rewrites the graph (metadata ``quantization``).
 
 ``quant.activations=false`` skips calibration: FP8 weights only.
+
+Both read and write the graph through ``pipeline/graph_io.py`` (onnx-ir, weights memory-mapped;
+unchanged files hard-linked; ``ensures`` compares with the input by prefill and decode steps).
 """
 
 from __future__ import annotations
 
-import copy
 import enum
 import json
 import logging
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,11 +49,20 @@ from calibration.datasets import CalibrationConfig, as_calibration, token_window
 from calibration.observers import DEFAULT_BINS, FP8_E4M3, Observer, TensorStats, channel_amax, compute_amax
 from passes.selection import check_patterns, select_modules
 from passes.sensitivity import FallbackSettings, WeightFormat, sensitivity_pass
-from pipeline.artifacts import Artifact, Kind, read_metadata, write_metadata
+from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
 from pipeline.base import Pass, Recipe
 from pipeline.config import register_pass
 from pipeline.errors import PassError
-from pipeline.runtime.ort import OrtModel, graph_io
+from pipeline.graph_io import (
+    check_data_files,
+    check_model,
+    compare_graphs,
+    link_folder_files,
+    link_graph_folder,
+    load_graph,
+    save_graph,
+)
+from pipeline.runtime.ort import graph_io
 
 log = logging.getLogger(__name__)
 
@@ -149,17 +159,6 @@ def calibration_feeds(windows: np.ndarray, io: Any) -> Any:
         yield feed
 
 
-def copy_graph_folder(source: Path, out_dir: Path, skip: tuple[str, ...] = ()) -> None:
-    """Copy every file and folder of ``source`` except the names in ``skip``."""
-    for item in source.iterdir():
-        if item.name in skip:
-            continue
-        if item.is_dir():
-            shutil.copytree(item, out_dir / item.name, dirs_exist_ok=True)
-        else:
-            shutil.copy2(item, out_dir / item.name)
-
-
 def load_stats(folder: Path) -> dict[str, TensorStats]:
     data = json.loads((folder / STATS_FILE).read_text())
     return {name: TensorStats.from_dict(entry) for name, entry in data["tensors"].items()}
@@ -186,7 +185,8 @@ class CalibratePass(Pass):
 
     Config = CalibrateConfig
     name = "calibrate-activations"
-    version = 1
+    version = 2  # 2: the input's files hard-linked, not copied
+    memory_profile = "graph"  # the graph in an ONNX Runtime session; its files linked
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
 
@@ -211,7 +211,8 @@ class CalibratePass(Pass):
         stats = collect_stats(
             model_file, feeds, labels, num_bins=self.config.num_bins, total=len(windows), progress=True
         )
-        copy_graph_folder(source.path, out_dir)
+        link_graph_folder(source.path, out_dir, skip=(ARTIFACT_FILE,))
+        (out_dir / STATS_FILE).unlink(missing_ok=True)  # a linked older file: replaced, not written through
         (out_dir / STATS_FILE).parent.mkdir(parents=True, exist_ok=True)
         calibration = {
             **vars(self.config.calibration),
@@ -224,6 +225,10 @@ class CalibratePass(Pass):
         (out_dir / STATS_FILE).write_text(json.dumps(payload, sort_keys=True, separators=(",", ":")))
         write_metadata(out_dir, Kind.GRAPH, {**metadata, "calibration": calibration})
         return {"tensors": len(stats), "windows": len(windows), "tokens": int(windows.size)}
+
+    def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
+        check_data_files(result.path, self.name)
+        return {}
 
 
 # --- pass 2: Q/DQ -------------------------------------------------------------------------------
@@ -245,7 +250,8 @@ class Fp8QdqPass(Pass):
 
     Config = Fp8QdqConfig
     name = "fp8-qdq"
-    version = 1
+    version = 2  # 2: onnx-ir with lazy weights; unchanged data files linked, new ones sharded
+    memory_profile = "graph"  # weights memory-mapped; one fp32 weight read at a time
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
 
@@ -265,11 +271,15 @@ class Fp8QdqPass(Pass):
 
         metadata = read_metadata(source.path)
         model_name = metadata.get("model_file", "model.onnx")
-        model = onnx.load(str(source.path / model_name))
+        model = load_graph(source.path, model_name)
         linear_weights: dict[str, str] = metadata["linear_weights"]
         quantized = sorted(select_modules(linear_weights, self.config.exclude, source.path))
         excluded = sorted(set(linear_weights) - set(quantized))
-        matmuls = linear_matmuls(model.graph, linear_weights)
+        # Nodes found on the proto (names only; no weights read), then taken from the IR by name.
+        matmuls = linear_matmuls(
+            onnx.load(str(source.path / model_name), load_external_data=False).graph, linear_weights
+        )
+        by_name = {node.name: node for node in model.graph}
         act_amax: dict[str, float] = {}
         if self.config.activations:
             stats = load_stats(source.path)
@@ -281,16 +291,10 @@ class Fp8QdqPass(Pass):
                     act_amax[tensor] = compute_amax(
                         stats[tensor], self.config.observer, FP8_E4M3, self.config.percentile
                     )
-        counts = quantize_graph(model, matmuls, quantized, act_amax, self.config)
-        onnx.save_model(
-            model,
-            str(out_dir / model_name),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=DATA_FILE,
-            size_threshold=1024,
-        )
-        copy_graph_folder(source.path, out_dir, skip=(model_name, DATA_FILE, "artifact.json"))
+        ir_matmuls = {module: by_name[node.name] for module, node in matmuls.items()}
+        counts = quantize_graph(model, ir_matmuls, quantized, act_amax, self.config)
+        saved = save_graph(model, out_dir, name=model_name, source_dirs=[source.path])
+        link_folder_files(source.path, out_dir)
         activations = None
         if self.config.activations:
             activations = {
@@ -318,14 +322,15 @@ class Fp8QdqPass(Pass):
             "qdq_nodes": counts,
         }
         write_metadata(out_dir, Kind.GRAPH, {**metadata, "quantization": quantization})
-        return {"modules": len(quantized), "excluded": len(excluded), **counts}
+        return {"modules": len(quantized), "excluded": len(excluded), **counts, "disk": saved.as_dict()}
 
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
         import onnx
 
         model_path = result.path / result.metadata.get("model_file", "model.onnx")
+        check_data_files(result.path, self.name)
         try:
-            onnx.checker.check_model(str(model_path), full_check=True)
+            check_model(model_path)
         except Exception as exc:  # onnx raises ValidationError / InferenceError
             raise PassError(f"fp8-qdq: the quantized graph fails onnx.checker ({exc})") from None
         problems = verify_qdq(onnx.load(str(model_path), load_external_data=False), result.metadata)
@@ -344,88 +349,100 @@ class Fp8QdqPass(Pass):
         return {"vs_input": agreement}
 
 
+def _initializer(graph: Any, name: str, array: np.ndarray) -> Any:
+    import onnx_ir as ir
+
+    tensor = ir.Tensor(array, name=name)
+    value = ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(tensor.dtype), const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
 def quantize_graph(
     model: Any, matmuls: dict[str, Any], quantized: list[str], act_amax: dict[str, float], config: Any
 ) -> dict[str, int]:
-    """Rewrite ``model`` in place: FP8 weights + DQ, and Q/DQ on the activations in ``act_amax``."""
-    from onnx import helper, numpy_helper
+    """Rewrite ``model`` (an ``onnx_ir.Model``, weights left on disk: ``pipeline.graph_io``) in
+    place: FP8 weights + DQ, and Q/DQ on the activations in ``act_amax``. ``matmuls``: module ->
+    its MatMul node (``linear_matmuls``). Each fp32 weight is read only while it is quantized."""
+    import onnx_ir as ir
     from tqdm import tqdm
 
     graph = model.graph
-    initializers = {init.name: init for init in graph.initializer}
-    before: dict[str, list[Any]] = {}  # MatMul name -> nodes to insert right before it
-    after: dict[str, list[Any]] = {}  # activation tensor -> Q/DQ inserted right after its producer
-    new_inits: list[Any] = []
-    dropped: set[str] = set()
+    initializers = graph.initializers
+    counts = {"QuantizeLinear": 0, "DequantizeLinear": 0}
     for module in tqdm(quantized, desc="fp8 weights", unit="layer", leave=False):
         node = matmuls[module]
-        weight_name = node.input[1]
-        weight = numpy_helper.to_array(initializers[weight_name])
+        old = node.inputs[1]
+        weight_name = old.name
+        weight = np.asarray(old.const_value.numpy())
         amax = channel_amax(weight, axis=1, observer=config.weight_observer, fmt=FP8_E4M3, label=module)
         scale = FP8_E4M3.scale(amax)
-        new_inits += [
-            numpy_helper.from_array(FP8_E4M3.quantize(weight, scale), f"{weight_name}_fp8"),
-            numpy_helper.from_array(scale, f"{weight_name}_scale"),
+        codes = FP8_E4M3.quantize(weight, scale)
+        del weight
+        initializers.pop(weight_name)
+        if old in graph.inputs:  # IR < 4 also lists initializers as graph inputs
+            graph.inputs.remove(old)
+        old.const_value = None  # drops the memory map of the fp32 weight
+        old.name = f"{weight_name}.fp32"  # the DQ output takes its name
+        inputs = [
+            _initializer(graph, f"{weight_name}_fp8", codes),
+            _initializer(graph, f"{weight_name}_scale", scale),
         ]
-        dropped.add(weight_name)
         scope = node.name.removesuffix("/MatMul")
-        before.setdefault(node.name, []).append(
-            helper.make_node(
-                "DequantizeLinear",
-                [f"{weight_name}_fp8", f"{weight_name}_scale"],
-                [weight_name],  # the MatMul keeps reading `<module>.weight_t`
-                name=f"{scope}/weight_quantizer/DequantizeLinear",
-                axis=1,
-            )
+        dequantize = ir.node(
+            "DequantizeLinear",
+            inputs,
+            attributes={"axis": 1},
+            name=f"{scope}/weight_quantizer/DequantizeLinear",
+            outputs=[ir.Value(name=weight_name)],  # the MatMul keeps reading `<module>.weight_t`
         )
-    if act_amax:
-        zero = np.zeros((), dtype=FP8_E4M3.quantize(np.zeros(1), 1.0).dtype)
-        new_inits.append(numpy_helper.from_array(zero, ZERO_POINT))
+        for user, index in list(old.uses()):
+            user.replace_input_with(index, dequantize.outputs[0])
+        graph.insert_before(node, dequantize)
+        counts["DequantizeLinear"] += 1
+    if not act_amax:
+        return counts
+    zero = np.zeros((), dtype=FP8_E4M3.quantize(np.zeros(1), 1.0).dtype)
+    zero_point = _initializer(graph, ZERO_POINT, zero)
+    values = {v.name: v for v in graph.inputs}
+    values.update({v.name: v for n in graph for v in n.outputs})
+    dequantized: dict[str, Any] = {}
+    at_start: list[Any] = []
+    after: dict[int, list[Any]] = {}  # id(producer) -> Q/DQ nodes, in its outputs' order
     for tensor, amax in act_amax.items():
         scale = FP8_E4M3.scale(amax)
-        new_inits.append(
-            numpy_helper.from_array(np.asarray(scale, np.float32).reshape(()), f"{tensor}_scale")
+        scale_value = _initializer(graph, f"{tensor}_scale", np.asarray(scale, np.float32).reshape(()))
+        quantize = ir.node(
+            "QuantizeLinear",
+            [values[tensor], scale_value, zero_point],
+            name=f"{tensor}_QuantizeLinear",
+            outputs=[ir.Value(name=f"{tensor}_fp8")],
         )
-        after[tensor] = [
-            helper.make_node(
-                "QuantizeLinear",
-                [tensor, f"{tensor}_scale", ZERO_POINT],
-                [f"{tensor}_fp8"],
-                name=f"{tensor}_QuantizeLinear",
-            ),
-            helper.make_node(
-                "DequantizeLinear",
-                [f"{tensor}_fp8", f"{tensor}_scale", ZERO_POINT],
-                [f"{tensor}_dq"],
-                name=f"{tensor}_DequantizeLinear",
-            ),
-        ]
+        dequantize = ir.node(
+            "DequantizeLinear",
+            [quantize.outputs[0], scale_value, zero_point],
+            name=f"{tensor}_DequantizeLinear",
+            outputs=[ir.Value(name=f"{tensor}_dq")],
+        )
+        dequantized[tensor] = dequantize.outputs[0]
+        producer = values[tensor].producer()
+        (at_start if producer is None else after.setdefault(id(producer), [])).append(
+            (values[tensor], [quantize, dequantize])
+        )
+        counts["QuantizeLinear"] += 1
+        counts["DequantizeLinear"] += 1
     for module in quantized:
         node = matmuls[module]
-        if node.input[0] in act_amax:
-            node.input[0] = f"{node.input[0]}_dq"
-
-    nodes = list(graph.node)
-    inputs = {i.name for i in graph.input}
-    ordered = [n for tensor, qdq in after.items() if tensor in inputs for n in qdq]
-    for node in nodes:
-        ordered += before.get(node.name, [])
-        ordered.append(node)
-        for output in node.output:
-            ordered += after.get(output, [])
-    for field_name in ("initializer", "input"):  # IR < 4 also lists initializers as graph inputs
-        entries = getattr(graph, field_name)
-        for index in reversed(range(len(entries))):
-            if entries[index].name in dropped:
-                del entries[index]
-    graph.initializer.extend(new_inits)
-    ordered = [copy.deepcopy(n) for n in ordered]  # detached from the field cleared next
-    del graph.node[:]
-    graph.node.extend(ordered)
-    return {
-        "QuantizeLinear": sum(n.op_type == "QuantizeLinear" for n in ordered),
-        "DequantizeLinear": sum(n.op_type == "DequantizeLinear" for n in ordered),
-    }
+        if node.inputs[0].name in dequantized:
+            node.replace_input_with(0, dequantized[node.inputs[0].name])
+    if at_start:
+        graph.insert_before(next(iter(graph)), [n for _, pair in at_start for n in pair])
+    for node in list(graph):
+        if id(node) in after:
+            order = {id(v): i for i, v in enumerate(node.outputs)}
+            pairs = sorted(after[id(node)], key=lambda item: order[id(item[0])])
+            graph.insert_after(node, [n for _, pair in pairs for n in pair])
+    return counts
 
 
 def verify_qdq(model: Any, metadata: dict[str, Any]) -> list[str]:
@@ -457,26 +474,6 @@ def verify_qdq(model: Any, metadata: dict[str, Any]) -> list[str]:
             if q is None or q.op_type != "QuantizeLinear":
                 problems.append(f"{node.name}: activation input has no QuantizeLinear/DequantizeLinear pair")
     return problems
-
-
-def compare_graphs(reference: Path, candidate: Path, prompt: str) -> dict[str, Any]:
-    """Logits of two graph folders on ``prompt`` (prefill): top-1 agreement, max |diff|, finiteness."""
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(reference, trust_remote_code=False)(prompt)["input_ids"]
-    tokens = np.array([ids], dtype=np.int64)
-    mask, positions = np.ones_like(tokens), np.arange(tokens.shape[1], dtype=np.int64)[None]
-    logits = []
-    for folder in (reference, candidate):
-        model = OrtModel(folder / read_metadata(folder).get("model_file", "model.onnx"), graph_io(folder))
-        logits.append(model.step(tokens, mask, positions, model.empty_cache(1))[0][0])
-    ref, cand = logits
-    return {
-        "tokens": len(ids),
-        "finite": bool(np.isfinite(cand).all()),
-        "top1_agreement": float((ref.argmax(-1) == cand.argmax(-1)).mean()),
-        "max_abs_diff": float(np.abs(ref - cand).max()),
-    }
 
 
 class Fp8Recipe(Recipe):

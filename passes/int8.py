@@ -42,8 +42,10 @@ cannot be smoothed in torch. Weight-only INT8 on those two costs no decode speed
 read one byte per weight) and gives 25.30 / 0.012 / 93.2% (alpha 0.8). ``quant.weight_only=[]``
 selects pure W8A8.
 
-Every file of the input folder is kept (tokenizer, ``extras/``); weights go to one external data
-file ``model.onnx.data``; the artifact metadata gains ``quantization``.
+The graph is read and written through ``pipeline/graph_io.py`` (onnx-ir, weights memory-mapped: an
+fp32 weight is read only while its INT8 codes are made); every other file of the input folder
+(tokenizer, ``extras/``) is hard-linked; the artifact metadata gains ``quantization``. ``ensures``
+compares the graph with its input by prefill and decode steps (``graph_io.compare_graphs``).
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -68,16 +69,21 @@ from passes.smoothquant import (
     read_activations,
     validate,
 )
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
+from pipeline.artifacts import Artifact, Kind, write_metadata
 from pipeline.base import Pass, Recipe
 from pipeline.config import register_pass
 from pipeline.errors import CalibrationError, PassError
-from pipeline.runtime.ort import OrtModel, graph_io
+from pipeline.graph_io import (
+    MODEL_FILE,
+    check_data_files,
+    compare_graphs,
+    link_folder_files,
+    load_graph,
+    save_graph,
+)
 
 log = logging.getLogger(__name__)
 
-MODEL_FILE = "model.onnx"
-DATA_FILE = "model.onnx.data"
 QMAX = 127
 W8A8_KERNELS = ("MatMulIntegerToFloat", "QLinearMatMul")  # com.microsoft / ONNX integer MatMuls
 WEIGHT_ONLY_KERNEL = "MatMulNBits"  # com.microsoft, bits=8
@@ -187,6 +193,15 @@ def activation_scale(absmax: float) -> np.float32:
 # The graph rewrite
 
 
+def _initializer(graph: Any, name: str, array: np.ndarray) -> Any:
+    import onnx_ir as ir
+
+    tensor = ir.Tensor(array, name=name)
+    value = ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(tensor.dtype), const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
 def insert_qdq(
     model: Any,
     linear_weights: dict[str, str],
@@ -194,24 +209,21 @@ def insert_qdq(
     modules: list[str],
     weight_only: frozenset[str] = frozenset(),
 ) -> int:
-    """Rewrite ``model`` (onnx ModelProto, weights loaded) in place: a weight DequantizeLinear on the
-    MatMul of each module in ``modules`` and, unless the module is in ``weight_only``, a
-    QuantizeLinear/DequantizeLinear pair on its activation input. Returns the number of bytes of
-    fp32 weights replaced."""
-    from onnx import helper, numpy_helper
+    """Rewrite ``model`` (an ``onnx_ir.Model``, weights left on disk: ``pipeline.graph_io``) in
+    place: a weight DequantizeLinear on the MatMul of each module in ``modules`` and, unless the
+    module is in ``weight_only``, a QuantizeLinear/DequantizeLinear pair on its activation input.
+    Each fp32 weight is read (memory-mapped) only while its INT8 codes are made. Returns the
+    number of bytes of fp32 weights replaced."""
+    import onnx_ir as ir
 
     graph = model.graph
-    initializers = {init.name: init for init in graph.initializer}
-    consumers: dict[str, list[Any]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-
+    initializers = graph.initializers
     plan: dict[int, tuple[str, str]] = {}  # id(MatMul node) -> (module, weight initializer)
     for module in modules:
         weight = linear_weights[module]
-        users = consumers.get(weight, [])
-        if weight not in initializers or len(users) != 1 or users[0].op_type != "MatMul":
+        value = initializers.get(weight)
+        users = list(value.uses()) if value is not None else []
+        if value is None or len(users) != 1 or users[0].node.op_type != "MatMul":
             raise PassError(f"int8: {module}'s weight {weight} is not the initializer of exactly one MatMul")
         if module not in weight_only:
             if module not in ranges:
@@ -222,75 +234,64 @@ def insert_qdq(
                 raise CalibrationError(
                     f"quant.calibration: the activation range of {module} is {ranges[module]}; recalibrate"
                 )
-        plan[id(users[0])] = (module, weight)
+        plan[id(users[0].node)] = (module, weight)
 
-    new_inits: list[Any] = []
     replaced = 0
-    nodes: list[Any] = []
-    for node in graph.node:
+    for node in list(graph):
         if id(node) not in plan:
-            nodes.append(node)
             continue
         module, weight = plan[id(node)]
-        init = initializers.pop(weight)
-        fp32 = numpy_helper.to_array(init)
+        fp32 = np.asarray(initializers[weight].const_value.numpy(), dtype=np.float32)
         if not np.isfinite(fp32).all():
             raise PassError(
                 f"int8: {module}'s weight holds NaN/inf; exclude it (quant.exclude) or fix the model"
             )
         codes, w_scale = weight_params(fp32)
+        del fp32
         replaced += codes.size * 4
-        graph.initializer.remove(init)
-        new_inits += [
-            numpy_helper.from_array(codes, f"{weight}_quantized"),
-            numpy_helper.from_array(w_scale, f"{weight}_scale"),
-            numpy_helper.from_array(np.zeros_like(w_scale, dtype=np.int8), f"{weight}_zero_point"),
+        old = initializers.pop(weight)
+        old.const_value = None  # drops the memory map of the fp32 weight
+        w_inputs = [
+            _initializer(graph, f"{weight}_quantized", codes),
+            _initializer(graph, f"{weight}_scale", w_scale),
+            _initializer(graph, f"{weight}_zero_point", np.zeros_like(w_scale, dtype=np.int8)),
         ]
-        nodes.append(
-            helper.make_node(
+        new_nodes = [
+            ir.node(
                 "DequantizeLinear",
-                [f"{weight}_quantized", f"{weight}_scale", f"{weight}_zero_point"],
-                [f"{weight}_dequantized"],
+                w_inputs,
+                attributes={"axis": 1},
                 name=f"{module}/weight/DequantizeLinear",
-                axis=1,
+                outputs=[ir.Value(name=f"{weight}_dequantized")],
             )
-        )
-        node.input[1] = f"{weight}_dequantized"
-        if module in weight_only:
-            nodes.append(node)
-            continue
-        # A dedicated QuantizeLinear -> DequantizeLinear pair per MatMul, with its own scale and
-        # zero-point initializers, even where q/k/v (gate/up) read one tensor: ORT 1.32 fuses
-        # DQ+DQ+MatMul into MatMulIntegerToFloat only when the activation Q feeds a single DQ
-        # (measured: a shared Q, or Qs sharing scale initializers, which ORT's CSE merges, stay
-        # unfused fp32 MatMuls).
-        base = f"{module}.input"
-        new_inits += [
-            numpy_helper.from_array(np.array(activation_scale(ranges[module]), np.float32), f"{base}_scale"),
-            numpy_helper.from_array(np.array(0, np.int8), f"{base}_zero_point"),
         ]
-        qdq_inputs = [f"{base}_quantized", f"{base}_scale", f"{base}_zero_point"]
-        nodes.append(
-            helper.make_node(
+        node.replace_input_with(1, new_nodes[0].outputs[0])
+        if module not in weight_only:
+            # A dedicated QuantizeLinear -> DequantizeLinear pair per MatMul, with its own scale
+            # and zero-point initializers, even where q/k/v (gate/up) read one tensor: ORT 1.32
+            # fuses DQ+DQ+MatMul into MatMulIntegerToFloat only when the activation Q feeds a
+            # single DQ (measured: a shared Q, or Qs sharing scale initializers, which ORT's CSE
+            # merges, stay unfused fp32 MatMuls).
+            base = f"{module}.input"
+            scale = _initializer(
+                graph, f"{base}_scale", np.array(activation_scale(ranges[module]), np.float32)
+            )
+            zero = _initializer(graph, f"{base}_zero_point", np.array(0, np.int8))
+            quantize = ir.node(
                 "QuantizeLinear",
-                [node.input[0], *qdq_inputs[1:]],
-                [qdq_inputs[0]],
+                [node.inputs[0], scale, zero],
                 name=f"{module}/input/QuantizeLinear",
+                outputs=[ir.Value(name=f"{base}_quantized")],
             )
-        )
-        nodes.append(
-            helper.make_node(
+            dequantize = ir.node(
                 "DequantizeLinear",
-                qdq_inputs,
-                [f"{module}.input_dequantized"],
+                [quantize.outputs[0], scale, zero],
                 name=f"{module}/input/DequantizeLinear",
+                outputs=[ir.Value(name=f"{module}.input_dequantized")],
             )
-        )
-        node.input[0] = f"{module}.input_dequantized"
-        nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    graph.initializer.extend(new_inits)
+            node.replace_input_with(0, dequantize.outputs[0])
+            new_nodes += [quantize, dequantize]
+        graph.insert_before(node, new_nodes)
     return replaced
 
 
@@ -312,33 +313,13 @@ def lowered_kernels(model_path: Path) -> Counter[str]:
     return Counter(node.op_type for node in optimized.graph.node)
 
 
-def compare_graphs(reference: Path, candidate: Path, prompt: str) -> dict[str, Any]:
-    """Prefill logits of two graph folders on ``prompt`` (ONNX Runtime, all optimizations):
-    top-1 agreement, max |difference|, finiteness of the candidate's."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(reference, trust_remote_code=False)
-    ids = np.array([tokenizer(prompt)["input_ids"]], dtype=np.int64)
-    mask, positions = np.ones_like(ids), np.arange(ids.shape[1], dtype=np.int64)[None]
-    logits = []
-    for folder in (reference, candidate):
-        model = OrtModel(folder / read_metadata(folder).get("model_file", MODEL_FILE), graph_io(folder))
-        logits.append(model.step(ids, mask, positions, model.empty_cache(1))[0][0])
-    ref, cand = logits
-    return {
-        "tokens": int(ids.shape[1]),
-        "finite": bool(np.isfinite(cand).all()),
-        "top1_agreement": float((ref.argmax(-1) == cand.argmax(-1)).mean()),
-        "max_abs_diff": float(np.abs(ref - cand).max()),
-    }
-
-
 class Int8QDQPass(Pass):
     """Graph -> graph: per-channel INT8 weights and static per-tensor INT8 activations as Q/DQ."""
 
     Config = Int8QDQConfig
     name = "int8_qdq"
-    version = 1
+    version = 2  # 2: onnx-ir with lazy weights; unchanged data files linked, new ones sharded
+    memory_profile = "graph"  # weights memory-mapped; one fp32 weight read at a time
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
 
@@ -350,7 +331,6 @@ class Int8QDQPass(Pass):
         read_activations(source.path)
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
-        import onnx
 
         linear_weights: dict[str, str] = source.metadata["linear_weights"]
         names = sorted(linear_weights)
@@ -360,8 +340,7 @@ class Int8QDQPass(Pass):
         weight_only = [n for n in modules if matches(n, config.weight_only)]
         w8a8 = [n for n in modules if n not in weight_only]
         activations = read_activations(source.path)
-        model_file = source.metadata.get("model_file", MODEL_FILE)
-        model = onnx.load(str(source.path / model_file))
+        model = load_graph(source.path)
         log.info(
             "int8: %d W8A8 and %d weight-only INT8 layers, %d fp32",
             len(w8a8),
@@ -369,21 +348,8 @@ class Int8QDQPass(Pass):
             len(names) - len(modules),
         )
         replaced = insert_qdq(model, linear_weights, activations["absmax"], modules, frozenset(weight_only))
-        onnx.save_model(
-            model,
-            str(out_dir / MODEL_FILE),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=DATA_FILE,
-            size_threshold=1024,
-        )
-        for path in source.path.iterdir():  # tokenizer, config, extras/
-            if path.name in (ARTIFACT_FILE, model_file, DATA_FILE):
-                continue
-            if path.is_dir():
-                shutil.copytree(path, out_dir / path.name)
-            else:
-                shutil.copy2(path, out_dir / path.name)
+        saved = save_graph(model, out_dir, source_dirs=[source.path])
+        link_folder_files(source.path, out_dir)  # tokenizer, config, extras/
         quantization = {
             "recipe": "int8",
             "algorithm": "smoothquant" if activations.get("smooth", True) else "static",
@@ -404,9 +370,11 @@ class Int8QDQPass(Pass):
             "weight_only_layers": len(weight_only),
             "fp32_layers": len(names) - len(modules),
             "fp32_weight_bytes_replaced": replaced,
+            "disk": saved.as_dict(),
         }
 
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
+        check_data_files(result.path, "int8")
         vs_input = compare_graphs(source.path, result.path, PROBE_PROMPT)
         if not vs_input["finite"]:
             raise PassError("int8: the quantized graph gives non-finite logits on a short prompt")

@@ -28,8 +28,8 @@
 
 The pass changes no node: it records the layout in the graph's metadata, which the fusion pass,
 the build (``engine.json`` ``io.kv_layout``, ``genai_config.json``
-``past_present_share_buffer``) and the runtime follow. (The folder is copied, not hard-linked:
-onnx-ir refuses external data with several links.)
+``past_present_share_buffer``) and the runtime follow. The folder's files are hard-linked, not
+copied (``pipeline/graph_io.py``: its loader accepts external data with several links).
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ from typing import Any
 import numpy as np
 
 from calibration.datasets import CalibrationConfig, as_calibration, token_windows
-from passes.fp8 import calibration_feeds, copy_graph_folder
+from passes.fp8 import calibration_feeds
 from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
 from pipeline.base import Pass
 from pipeline.config import register_pass
 from pipeline.errors import PassError
+from pipeline.graph_io import check_data_files, link_graph_folder
 
 
 class Layout(enum.StrEnum):
@@ -104,7 +105,8 @@ KINDS = ("key", "value")  # present.<layer>.key, present.<layer>.value: the grap
 class KvCachePass(Pass):
     Config = KvCacheConfig
     name = "kv_cache"
-    version = 2
+    version = 3  # 3: the input's files hard-linked, not copied
+    memory_profile = "graph"  # files linked; int8/fp8 calibrate in an ONNX Runtime session
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
 
@@ -134,7 +136,7 @@ class KvCachePass(Pass):
             )
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
-        copy_graph_folder(source.path, out_dir, skip=(ARTIFACT_FILE,))
+        link_graph_folder(source.path, out_dir, skip=(ARTIFACT_FILE, AMAX_FILE))
         layout: dict[str, Any] = {
             "layout": Layout(self.config.layout).value,
             "dtype": KvDtype(self.config.dtype).value,
@@ -159,6 +161,10 @@ class KvCachePass(Pass):
         metadata["kv_cache"] = layout
         write_metadata(out_dir, Kind.GRAPH, metadata)
         return {"kv_cache": layout, **result}
+
+    def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
+        check_data_files(result.path, self.name)
+        return {}
 
 
 def window_capacity(window: int) -> int:

@@ -13,22 +13,25 @@ recipe's torch stage did not run. Specs: ONNX Runtime contrib op ``MatMulNBits``
 low nibble first; checked against ``onnxruntime.quantization``'s packing in the tests); ONNX
 ``DequantizeLinear``-21 blocked quantization.
 
-``ensures``: the lowered graph against its input graph on a fixed prompt (max |logit diff|,
-top-1 agreement); when every layer came from stored parameters the two compute the same weights
-and the pass fails below ``min_top1_agreement``.
+The graph is read and written through ``pipeline/graph_io.py`` (onnx-ir: each fp32 weight is
+memory-mapped and read only while it is lowered; unchanged data files hard-linked).
+
+``ensures``: the lowered graph against its input graph on a fixed prompt and decode steps
+(``graph_io.compare_graphs``: max |logit diff|, KL, top-1 agreement); when every layer came from
+stored parameters the two compute the same weights and the pass fails below
+``min_top1_agreement``.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from passes.export import DATA_FILE, MODEL_FILE
 from passes.int4 import (
     BITS,
     EXTRAS_DIR,
@@ -45,9 +48,18 @@ from passes.int4 import (
     validate_settings,
 )
 from passes.selection import select_modules
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
+from pipeline.artifacts import Artifact, Kind, read_metadata, write_metadata
 from pipeline.base import Pass
 from pipeline.errors import PassError
+from pipeline.graph_io import (
+    DATA_FILE,
+    MODEL_FILE,
+    check_data_files,
+    compare_graphs,
+    link_folder_files,
+    load_graph,
+    save_graph,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +82,8 @@ class Int4LoweringConfig(Int4Settings, Int4LoweringSettings):
 class Int4LoweringPass(Pass):
     Config = Int4LoweringConfig
     name = "int4_lowering"
-    version = 1
+    version = 2  # 2: onnx-ir with lazy weights (pipeline.graph_io); unchanged data files linked
+    memory_profile = "graph"  # weights memory-mapped; one fp32 weight read at a time
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
 
@@ -87,61 +100,38 @@ class Int4LoweringPass(Pass):
             )
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
-        import onnx
-
         metadata = read_metadata(source.path)
         weights: dict[str, str] = metadata["linear_weights"]
         info, stored = load_params(source.path / EXTRAS_DIR / INT4_DIR)
         self._check_stored(info)
         targets = select_modules(weights, self.config.exclude, source.path)
-        model = onnx.load(str(source.path / MODEL_FILE))
+        model = load_graph(source.path, MODEL_FILE)
         graph = model.graph
-        initializers = {init.name: init for init in graph.initializer}
-        widths = {m: int(initializers[weights[m]].dims[0]) for m in targets}
+        initializers = graph.initializers
+        widths = {m: int(initializers[weights[m]].const_value.shape[0]) for m in targets}
         check_group_size(self.config.group_size, widths)
 
-        consumers = {node.input[1]: node for node in graph.node if len(node.input) == 2}
-        replaced: dict[str, list[Any]] = {}
-        new_inits: list[Any] = []
         origin: dict[str, str] = {}
         for module in targets:
             init_name = weights[module]
-            node = consumers.get(init_name)
-            if node is None or node.op_type != "MatMul":
+            value = initializers[init_name]
+            users = [user for user, index in value.uses() if index == 1]
+            node = users[0] if len(users) == 1 else None
+            if node is None or node.op_type != "MatMul" or len(node.inputs) != 2:
                 raise PassError(f"{self.name}: no MatMul consumes {init_name} ({module}); re-run export")
-            weight_t = onnx.numpy_helper.to_array(initializers[init_name])  # [in, out]
+            weight_t = np.asarray(value.const_value.numpy())  # [in, out], memory-mapped
             layer, origin[module] = self._parameters(module, weight_t, stored)
-            nodes, inits = self._lower(module, node, layer)
-            replaced[node.name] = nodes
-            new_inits += inits
-        kept_nodes = []
-        for node in graph.node:
-            kept_nodes.extend(replaced.get(node.name, [node]))
-        graph.ClearField("node")
-        graph.node.extend(kept_nodes)
-        dropped = {weights[m] for m in targets}
-        kept_inits = [init for init in graph.initializer if init.name not in dropped]
-        graph.ClearField("initializer")
-        graph.initializer.extend(kept_inits + new_inits)
-        if self.config.lowering == Lowering.matmulnbits and not any(
-            o.domain == MS_DOMAIN for o in model.opset_import
-        ):
-            model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
-        onnx.save_model(
-            model,
-            str(out_dir / MODEL_FILE),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=DATA_FILE,
-            size_threshold=1024,
-        )
-        for item in source.path.iterdir():
-            if item.name in (MODEL_FILE, DATA_FILE, ARTIFACT_FILE):
-                continue
-            if item.is_dir():
-                shutil.copytree(item, out_dir / item.name)
-            else:
-                shutil.copy2(item, out_dir / item.name)
+            del weight_t
+            shim = SimpleNamespace(
+                input=[node.inputs[0].name, init_name], output=[o.name for o in node.outputs], name=node.name
+            )
+            nodes, inits = self._lower(module, shim, layer)
+            replace_with_protos(graph, node, nodes, inits)
+            initializers.pop(init_name).const_value = None  # drops the fp32 weight's memory map
+        if self.config.lowering == Lowering.matmulnbits and MS_DOMAIN not in model.opset_imports:
+            model.opset_imports[MS_DOMAIN] = 1
+        saved = save_graph(model, out_dir, source_dirs=[source.path])
+        link_folder_files(source.path, out_dir)
         unplaced = sorted(set(stored) - set(origin) - (set(weights) - set(targets)))
         if unplaced:  # the graph still computes their fake-quantized weights, uncompressed
             log.warning("%s: no graph weight for stored INT4 layers %s; left as fp32", self.name, unplaced)
@@ -158,7 +148,12 @@ class Int4LoweringPass(Pass):
             "modules": origin,
         }
         write_metadata(out_dir, Kind.GRAPH, {**metadata, "quantization": quantization})
-        return {"lowered": len(origin), "from": counts, "lowering": self.config.lowering.value}
+        return {
+            "lowered": len(origin),
+            "from": counts,
+            "lowering": self.config.lowering.value,
+            "disk": saved.as_dict(),
+        }
 
     def _check_stored(self, info: dict[str, Any]) -> None:
         if not info:
@@ -247,7 +242,8 @@ class Int4LoweringPass(Pass):
         return [dq, matmul], inits
 
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
-        parity = compare_graphs(source.path, result.path)
+        check_data_files(result.path, self.name)
+        parity = compare_graphs(source.path, result.path, PARITY_PROMPT_IDS)
         origins = set(result.metadata.get("quantization", {}).get("modules", {}).values())
         exact = origins <= {"stored"} and not self.config.accuracy_level
         if exact and parity["top1_agreement"] < self.config.min_top1_agreement:
@@ -259,22 +255,47 @@ class Int4LoweringPass(Pass):
         return {"parity_vs_input_graph": parity}
 
 
-def compare_graphs(reference_dir: Path, candidate_dir: Path) -> dict[str, Any]:
-    """Logits of two graphs with the same IO on a fixed prompt (token ids below any vocab size)."""
-    from pipeline.runtime.ort import OrtModel, graph_io
+def replace_with_protos(graph: Any, node: Any, nodes: list[Any], inits: list[Any]) -> None:
+    """Replace IR ``node`` by the ONNX ``NodeProto``s ``nodes`` (which keep its output names) and
+    register the ``TensorProto``s ``inits`` as initializers (wrapped, not copied)."""
+    import onnx
+    import onnx_ir as ir
 
-    logits = []
-    for folder in (reference_dir, candidate_dir):
-        model = OrtModel(folder / MODEL_FILE, graph_io(folder))
-        vocab = model.io.vocab_size
-        ids = np.array([[i % vocab for i in PARITY_PROMPT_IDS]], dtype=np.int64)
-        positions = np.arange(ids.shape[1], dtype=np.int64)[None]
-        out, _ = model.step(ids, np.ones_like(ids), positions, model.empty_cache(1))
-        logits.append(out[0])
-        del model
-    reference, candidate = logits
-    return {
-        "tokens": int(reference.shape[0]),
-        "max_abs_diff": float(np.abs(reference - candidate).max()),
-        "top1_agreement": float((reference.argmax(-1) == candidate.argmax(-1)).mean()),
-    }
+    local: dict[str, Any] = {}
+    for proto in inits:
+        tensor = ir.serde.deserialize_tensor(proto)
+        value = ir.Value(
+            name=proto.name, shape=tensor.shape, type=ir.TensorType(tensor.dtype), const_value=tensor
+        )
+        graph.register_initializer(value)
+        local[proto.name] = value
+    known = {v.name: v for v in node.inputs if v is not None}
+    old_outputs = {v.name: v for v in node.outputs}
+    new_nodes, replacements = [], {}
+    for proto in nodes:
+        inputs = [local.get(name) or known[name] for name in proto.input]
+        outputs = [ir.Value(name=f"{name}.lowered" if name in old_outputs else name) for name in proto.output]
+        new_nodes.append(
+            ir.node(
+                proto.op_type,
+                inputs,
+                attributes={a.name: onnx.helper.get_attribute_value(a) for a in proto.attribute},
+                domain=proto.domain,
+                name=proto.name,
+                outputs=outputs,
+            )
+        )
+        for name, value in zip(proto.output, outputs, strict=True):
+            local[name] = value
+            if name in old_outputs:
+                replacements[name] = value
+    old = list(node.outputs)
+    new = [replacements[v.name] for v in old]
+    ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, old, new)
+    for old_value, new_value in zip(old, new, strict=True):
+        name = old_value.name
+        old_value.name = f"{name}.replaced"
+        new_value.name = name
+
+
+__all__ = ["DATA_FILE", "MODEL_FILE", "Int4LoweringConfig", "Int4LoweringPass"]

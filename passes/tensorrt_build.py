@@ -35,7 +35,6 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from pipeline.base import Pass
 from pipeline.config import register_pass
 from pipeline.errors import PassError
 from pipeline.gpu import require_tensorrt, tensorrt_module
+from pipeline.graph_io import link_folder_files
 from pipeline.runtime.ort import ENGINE_FILE
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ def parser_errors(parser: Any) -> list[str]:
 class TensorRtBuildPass(Pass):
     Config = TensorRtTargetConfig
     name = "build"
-    version = 1
+    version = 2  # 2: the tokenizer and config files hard-linked, not copied
     consumes = Kind.GRAPH
     produces = Kind.ENGINE
 
@@ -262,9 +262,9 @@ class TensorRtBuildPass(Pass):
         (out_dir / PLAN_FILE).write_bytes(plan_bytes)
         if cache_file is not None:
             save_timing_cache(cache_file, config)
-        for item in source.path.iterdir():
-            if item.is_file() and item.suffix in KEPT_SUFFIXES and item.name != "artifact.json":
-                shutil.copy2(item, out_dir / item.name)
+        # The tokenizer and config files, hard-linked (the plan replaces the graph and its data).
+        others = [i.name for i in source.path.iterdir() if not (i.is_file() and i.suffix in KEPT_SUFFIXES)]
+        link_folder_files(source.path, out_dir, skip=others)
         tensorrt_record = {
             "version": version,
             "compute_capability": gpu.compute_capability,  # what the registry's pull checks

@@ -85,11 +85,11 @@ def model_file(path: Path) -> Path:
 
 def lint(path: Path) -> list[Finding]:
     """Every TensorRT-compatibility finding of the graph at ``path``."""
-    import onnx_ir as ir
+    from pipeline.graph_io import load_graph
 
     file = model_file(path)
     try:
-        model = ir.load(file)
+        model = load_graph(file.parent, file.name)  # hard-linked data files (cache, engine) allowed
     except Exception as exc:  # onnx raises DecodeError, ValidationError, OSError ...
         raise LintError(f"cannot read {file} as ONNX ({first_line(exc)})") from None
     table = support_table()

@@ -22,6 +22,12 @@ rules cannot read from the graph (head counts, positions) come from the checkpoi
 ``ensures``: the fused graph against its input graph on a fixed prompt, prefill and greedy decode
 steps fed to both (the decode path is where GroupQueryAttention appends the cache): max |logit
 difference| and top-1 agreement; the pass fails below ``min_top1_agreement``.
+
+The graph is read and written through ``pipeline/graph_io.py``: onnx-ir with the weights memory-
+mapped (the rewriter and optimizer work on onnx-ir, so no protobuf copy), only rewritten tensors
+(packed QKV / gate-up) in memory, unchanged data files hard-linked. One copy of the weights in
+protobuf remains where ``ensures`` judges an approximate graph (``_exact_copy``: both graphs
+re-saved without activation rounding, a temporary folder).
 """
 
 from __future__ import annotations
@@ -36,8 +42,6 @@ from typing import Any
 
 import numpy as np
 
-from passes.export import DATA_FILE, MODEL_FILE
-from passes.fp8 import copy_graph_folder
 from passes.fusion.kv_cache_dtype import (
     CACHE_TYPES,
     IO_DTYPES,
@@ -47,10 +51,21 @@ from passes.fusion.kv_cache_dtype import (
     set_cache_dtype,
 )
 from passes.fusion.qdq import duplicate_shared_dequantize
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
+from pipeline.artifacts import Artifact, Kind, read_metadata, write_metadata
 from pipeline.base import Pass
 from pipeline.config import register_pass
 from pipeline.errors import PassError
+from pipeline.graph_io import (
+    MODEL_FILE,
+    PARITY_DECODE_STEPS,
+    PARITY_PROMPT_IDS,
+    check_data_files,
+    compare_graphs,
+    link_folder_files,
+    load_graph,
+    load_proto,
+    save_graph,
+)
 from pipeline.progress import phases
 
 log = logging.getLogger(__name__)
@@ -59,8 +74,8 @@ log = logging.getLogger(__name__)
 for _noisy in ("onnx_ir", "onnxscript"):
     logging.getLogger(_noisy).setLevel(logging.WARNING)
 
-PARITY_PROMPT_IDS = (1, 42, 7, 99, 3, 250, 17, 5, 64, 128, 11, 300, 23, 77, 9, 180)
-PARITY_DECODE_STEPS = 6
+# The parity check's prompt and decode steps: pipeline.graph_io.PARITY_PROMPT_IDS / PARITY_DECODE_STEPS.
+__all__ = ["PARITY_DECODE_STEPS", "PARITY_PROMPT_IDS", "FusionPass", "ModelFacts"]
 
 
 @dataclass(frozen=True)
@@ -211,7 +226,8 @@ register_pass("fusion", "fusion", FusionConfig)  # fusion_schema: every target's
 class FusionPass(Pass):
     Config = FusionConfig
     name = "fusion"
-    version = 3
+    version = 4  # 4: onnx-ir with lazy weights (pipeline.graph_io); unchanged data files linked
+    memory_profile = "graph"  # weights memory-mapped; only rewritten (packed) ones in memory
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
 
@@ -236,7 +252,6 @@ class FusionPass(Pass):
             raise PassError(f"{self.name}: the graph is already fused ({fused}); run one fusion pass")
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
-        import onnx_ir as ir
         import onnx_ir.passes.common as common_passes
 
         kv = source.metadata.get("kv_cache", {})
@@ -257,7 +272,7 @@ class FusionPass(Pass):
         not_applicable: list[str] = []
         with phases("fusion", len(steps)) as phase:
             phase("optimize")
-            model = prepare(ir.load(source.path / MODEL_FILE))
+            model = prepare(load_graph(source.path, MODEL_FILE))
             nodes_before = len(model.graph)
             opset = max((RULE_OPSETS.get(rule, 0) for rule in self.config.rules), default=0)
             if opset > model.opset_imports.get("", 0):
@@ -280,8 +295,8 @@ class FusionPass(Pass):
             qdq_copies = duplicate_shared_dequantize(model.graph)  # after the last CSE
             has_positions = drop_unused_input(model.graph, "position_ids")
             ops = {node.op_type for node in model.graph}
-            ir.save(model, out_dir / MODEL_FILE, external_data=DATA_FILE)
-        copy_graph_folder(source.path, out_dir, skip=(MODEL_FILE, DATA_FILE, ARTIFACT_FILE))
+            saved = save_graph(model, out_dir, source_dirs=[source.path])
+        link_folder_files(source.path, out_dir)
         warnings = [
             f"fusion rule '{rule}' matched nothing on this graph"
             for rule, count in rewrites.items()
@@ -304,16 +319,18 @@ class FusionPass(Pass):
             "warnings": warnings,
             "nodes": {"before": nodes_before, "after": len(model.graph)},
             "qdq_copies": qdq_copies,
+            "disk": saved.as_dict(),
         }
 
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
+        check_data_files(result.path, self.name)
         metrics: dict[str, Any] = {}
         if _approximate_matmuls(source.path) or result.metadata["io"].get("kv_dtype", "float32") != "float32":
             # A graph that rounds activations (MatMulNBits accuracy_level > 0, activation Q/DQ)
             # turns a last-bit change of an activation into a flipped rounding, and a cache
             # stored in fp16/int8 rounds every key and value: judge the rewrite on copies of
             # both graphs without that rounding (fp32 caches); report as built too.
-            metrics["parity_as_built"] = compare_decoding(source.path, result.path)
+            metrics["parity_as_built"] = compare_graphs(source.path, result.path)
             with tempfile.TemporaryDirectory(prefix="fusion-exact-") as tmp:
                 exact = [
                     _exact_copy(folder, Path(tmp) / name)
@@ -321,9 +338,9 @@ class FusionPass(Pass):
                 ]
                 # Session level "basic": at "all", ONNX Runtime may turn the dequantized weights'
                 # MatMuls into integer kernels that round activations again.
-                parity = compare_decoding(*exact, optimization="basic")
+                parity = compare_graphs(*exact, optimization="basic")
         else:
-            parity = compare_decoding(source.path, result.path)
+            parity = compare_graphs(source.path, result.path)
         if parity["top1_agreement"] < self.config.min_top1_agreement:
             raise PassError(
                 f"{self.name}: the fused graph agrees with the unfused one on {parity['top1_agreement']:.1%} "
@@ -380,9 +397,9 @@ def _exact_copy(folder: Path, out: Path) -> Path:
     """``folder``'s graph without activation rounding: MatMulNBits at accuracy_level 0, every
     activation ``QuantizeLinear -> DequantizeLinear`` pair bypassed (weights stay quantized) and
     the KV cache in fp32."""
-    import onnx
+    import onnx_ir as ir
 
-    model = onnx.load(str(folder / MODEL_FILE))
+    model = load_proto(folder, MODEL_FILE)
     graph = model.graph
     producers = {o: n for n in graph.node for o in n.output}
     bypass: dict[str, str] = {}
@@ -402,7 +419,7 @@ def _exact_copy(folder: Path, out: Path) -> Path:
             raise PassError(f"fusion: graph output {output.name} is a dequantized activation")
     restore_fp32_cache(model)
     out.mkdir(parents=True)
-    onnx.save_model(model, str(out / MODEL_FILE), save_as_external_data=True, location=DATA_FILE)
+    save_graph(ir.serde.deserialize_model(model), out)
     metadata = read_metadata(folder)
     write_metadata(out, Kind.GRAPH, {**metadata, "io": {**metadata["io"], "kv_dtype": "float32"}})
     return out
@@ -455,46 +472,3 @@ def drop_unused_input(graph: Any, name: str) -> bool:
         return True
     graph.inputs.remove(value)
     return False
-
-
-def _parity_model(folder: Path, optimization: str) -> Any:
-    """A graph in a session, stepped as the runtime will: a fused graph whose GroupQueryAttention
-    keeps a window-sized buffer (kv_cache layout=shared with a window) needs that buffer bound."""
-    import dataclasses
-
-    from pipeline.runtime.ort import OrtModel, graph_io
-
-    io = graph_io(folder)
-    metadata = read_metadata(folder)
-    capacity = int(metadata.get("kv_cache", {}).get("capacity", 0))
-    if capacity and metadata.get("fusion"):
-        io = dataclasses.replace(io, kv_layout="shared", kv_capacity=capacity)
-    return OrtModel(folder / MODEL_FILE, io, optimization=optimization, capacity=capacity)
-
-
-def compare_decoding(
-    reference_dir: Path, candidate_dir: Path, steps: int = PARITY_DECODE_STEPS, optimization: str = "all"
-) -> dict[str, Any]:
-    """Logits of two graphs on a fixed prompt and ``steps`` decode steps of the reference's
-    greedy tokens (fed to both, so the caches stay comparable)."""
-    models = [_parity_model(folder, optimization) for folder in (reference_dir, candidate_dir)]
-    vocab = models[0].io.vocab_size
-    ids = np.array([[i % vocab for i in PARITY_PROMPT_IDS]], dtype=np.int64)
-    caches = [model.empty_cache(1) for model in models]
-    mask = np.ones_like(ids)
-    positions = np.arange(ids.shape[1], dtype=np.int64)[None]
-    diffs, agree, total = [], 0, 0
-    for step in range(steps + 1):
-        outputs = [
-            model.step(ids, mask, positions, cache) for model, cache in zip(models, caches, strict=True)
-        ]
-        (reference, caches[0]), (candidate, caches[1]) = outputs
-        diffs.append(float(np.abs(reference - candidate).max()))
-        agree += int((reference.argmax(-1) == candidate.argmax(-1)).sum())
-        total += reference.shape[1]
-        if step == steps:
-            break
-        ids = reference[:, -1:].argmax(-1)
-        mask = np.ones((1, mask.shape[1] + 1), dtype=np.int64)
-        positions = np.array([[mask.shape[1] - 1]], dtype=np.int64)
-    return {"tokens": total, "max_abs_diff": max(diffs), "top1_agreement": agree / total}

@@ -42,6 +42,17 @@ def test_ensures_opens_a_real_session(tiny_graph: Artifact, tiny_engine: Artifac
     assert OrtCpuBuildPass().ensures(tiny_graph, tiny_engine) == {"session_check": "ok"}
 
 
+def test_engine_holds_the_graph_files_as_hard_links(tiny_graph: Artifact, tmp_path: Path) -> None:
+    out = tmp_path / "engine"
+    out.mkdir()
+    metrics = OrtCpuBuildPass().run(tiny_graph, out)
+    for name in ("model.onnx", "model.onnx.data", "tokenizer.json"):
+        assert (out / name).stat().st_ino == (tiny_graph.path / name).stat().st_ino
+    assert metrics["disk"]["written_bytes"] == metrics["disk"]["copied_bytes"] == 0
+    assert metrics["disk"]["linked_bytes"] >= (tiny_graph.path / "model.onnx.data").stat().st_size
+    OrtCpuBuildPass().ensures(tiny_graph, Artifact.from_dir(Kind.ENGINE, out))  # ONNX Runtime loads links
+
+
 def test_requires_an_exported_graph(tiny_graph: Artifact, tmp_path: Path) -> None:
     bare = Path(shutil.copytree(tiny_graph.path, tmp_path / "bare"))
     (bare / ARTIFACT_FILE).unlink()

@@ -11,6 +11,7 @@ import pytest
 from passes.fp16 import Fp16Pass
 from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import PassError
+from pipeline.graph_io import load_proto
 from pipeline.lint import lint
 from pipeline.plugins import build_passes
 from tests.pipeline.recipe import compose_recipe
@@ -28,7 +29,7 @@ def fp16_graph(tiny_graph: Artifact, tmp_path_factory: pytest.TempPathFactory) -
 
 def test_weights_are_half_and_io_stays_as_the_runtime_expects(fp16_graph: tuple[Artifact, dict]) -> None:
     graph, metrics = fp16_graph
-    model = onnx.load(str(graph.path / "model.onnx"))
+    model = load_proto(graph.path)
     fp32, fp16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
     floats = [i for i in model.graph.initializer if i.data_type in (fp32, fp16)]
     half = [i for i in floats if i.data_type == fp16]

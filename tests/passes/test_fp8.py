@@ -21,6 +21,7 @@ from calibration.datasets import CalibrationConfig, token_windows
 from passes.fp8 import STATS_FILE, CalibratePass, Fp8QdqPass, Fp8Recipe
 from pipeline.artifacts import Artifact, Kind, read_metadata
 from pipeline.errors import PassError
+from pipeline.graph_io import load_proto
 from pipeline.runtime import Engine, GenerationConfig
 from pipeline.runtime.ort import OrtModel, graph_io
 
@@ -50,7 +51,7 @@ def quantized(calibrated: Artifact, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def load(artifact: Artifact) -> onnx.ModelProto:
-    return onnx.load(str(artifact.path / "model.onnx"))
+    return load_proto(artifact.path)
 
 
 def producers(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
@@ -116,7 +117,7 @@ def record_activations(graph: Artifact, tensors: list[str]) -> dict[str, float]:
     """Independently: run the fp32 graph with the tensors as outputs, max |x| over the windows."""
     from transformers import AutoTokenizer
 
-    model = onnx.load(str(graph.path / "model.onnx"))
+    model = load_proto(graph.path)
     model.graph.output.extend(onnx.helper.make_tensor_value_info(t, TensorProto.FLOAT, None) for t in tensors)
     import onnxruntime as ort
 
@@ -151,7 +152,7 @@ def test_graph_matches_a_torch_fake_quant_simulation(
     import torch
     from transformers import LlamaForCausalLM
 
-    model = onnx.load(str(quantized.path / "model.onnx"))
+    model = load_proto(quantized.path)
     made_by, inits = producers(model), {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
     nodes = linear_nodes(model, quantized.metadata)
 

@@ -26,6 +26,7 @@ from passes.int8 import DEFAULT_WEIGHT_ONLY, Int8QDQPass, Int8Recipe
 from passes.smoothquant import SmoothQuantPass
 from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import CalibrationError, ConfigError, PassError
+from pipeline.graph_io import load_proto
 from pipeline.plugins import build_passes
 from pipeline.runtime.ort import OrtModel, graph_io
 from pipeline.torch_model import load_causal_lm, load_tokenizer
@@ -61,7 +62,7 @@ def int8_graph(fp32_graph: Artifact, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def load(artifact: Artifact) -> onnx.GraphProto:
-    return onnx.load(str(artifact.path / "model.onnx")).graph
+    return load_proto(artifact.path).graph
 
 
 def independent_absmax(smoothed: Artifact) -> dict[str, float]:

@@ -14,6 +14,7 @@ from passes.fusion.fuse import FusionPass
 from passes.kv_cache import KvCachePass
 from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import EngineError, PassError
+from pipeline.graph_io import load_proto
 from pipeline.runtime.generate import GenerationConfig
 from pipeline.runtime.ort import Engine, OrtModel, graph_io
 from tests.conftest import genai_greedy_tokens
@@ -213,7 +214,7 @@ def test_int8_cache_is_calibrated_stored_in_the_graph_and_recorded(
     FusionPass().run(Artifact.from_dir(Kind.GRAPH, tmp_path / "kv"), tmp_path / "fused")
     fused = Artifact.from_dir(Kind.GRAPH, tmp_path / "fused")
     assert fused.metadata["io"]["kv_dtype"] == "int8"
-    model = onnx.load(str(fused.path / "model.onnx"))
+    model = load_proto(fused.path)
     types = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.input, *model.graph.output)}
     assert {types[n] for n in io.past_names() + io.present_names()} == {onnx.TensorProto.INT8}
     scales = {
@@ -285,7 +286,7 @@ def test_fp8_cache_is_qdq_at_the_cache_io_with_calibrated_per_head_scales(
     FusionPass().run(kv, tmp_path / "fused")
     fused = Artifact.from_dir(Kind.GRAPH, tmp_path / "fused")
     assert fused.metadata["io"]["kv_dtype"] == "float8_e4m3fn"
-    model = onnx.load(str(fused.path / "model.onnx"))
+    model = load_proto(fused.path)
     types = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.input, *model.graph.output)}
     assert {types[n] for n in io.past_names() + io.present_names()} == {onnx.TensorProto.FLOAT8E4M3FN}
     producers = {o: n for n in model.graph.node for o in n.output}

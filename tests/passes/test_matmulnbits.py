@@ -23,6 +23,7 @@ from passes.int4 import EXTRAS_DIR, INFO_FILE, INT4_DIR, quantize_rtn
 from passes.matmulnbits import DATA_FILE, MODEL_FILE, Int4LoweringPass
 from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import ConfigError, PassError
+from pipeline.graph_io import load_proto
 from pipeline.runtime.ort import graph_io
 from pipeline.torch_model import load_causal_lm
 from tests.pipeline.test_main import pipeline_command
@@ -198,10 +199,10 @@ def test_graph_without_stored_parameters_is_round_to_nearest(tiny_graph: Artifac
     assert result.metadata["quantization"]["modules"] == {"lm_head": "rtn"}
     assert result.metadata["quantization"]["algorithm"] == "rtn"
     inits = initializers(tmp_path)
-    model = onnx.load(str(tiny_graph.path / MODEL_FILE))
+    model = load_proto(tiny_graph.path, MODEL_FILE)
     weight_t = next(numpy_helper.to_array(i) for i in model.graph.initializer if i.name == "lm_head.weight_t")
     expected = quantize_rtn(torch.from_numpy(weight_t.T.copy()), GROUP, False)
-    loaded = onnx.load(str(tmp_path / MODEL_FILE))
+    loaded = load_proto(tmp_path, MODEL_FILE)
     scales = next(
         numpy_helper.to_array(i) for i in loaded.graph.initializer if i.name == "lm_head.weight_scales"
     )
@@ -211,7 +212,7 @@ def test_graph_without_stored_parameters_is_round_to_nearest(tiny_graph: Artifac
 
 def test_stale_parameters_are_caught(quantized: dict[str, Artifact], tmp_path: Path) -> None:
     stale = Path(shutil.copytree(quantized["graph"].path, tmp_path / "stale"))
-    model = onnx.load(str(stale / MODEL_FILE))
+    model = load_proto(stale, MODEL_FILE)
     for init in model.graph.initializer:
         if init.name == "model.layers.0.mlp.up_proj.weight_t":
             init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * 1.01, init.name))

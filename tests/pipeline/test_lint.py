@@ -79,11 +79,13 @@ def _edited(folder: Path, out: Path, edit) -> Path:  # type: ignore[no-untyped-d
     """A copy of the graph folder with ``edit(model)`` applied (onnx-ir)."""
     import onnx_ir as ir
 
+    from pipeline.graph_io import load_graph
+
     out.mkdir()
     for path in folder.iterdir():
         if not path.name.startswith("model.onnx"):
             shutil.copy(path, out / path.name)
-    model = ir.load(folder / "model.onnx")
+    model = load_graph(folder)  # the folder's data may be hard-linked (tiny_engine links tiny_graph)
     edit(model)
     ir.save(model, out / "model.onnx", external_data="model.onnx.data")
     return out

@@ -11,26 +11,24 @@ from typing import Any
 
 import pytest
 
-from passes.export import DATA_FILE, MODEL_FILE
-from passes.fusion.fuse import ModelFacts, compare_decoding, drop_unused_input, prepare
+from passes.fusion.fuse import ModelFacts, drop_unused_input, prepare
 from pipeline.artifacts import Artifact, Kind, read_metadata, write_metadata
+from pipeline.graph_io import MODEL_FILE, compare_graphs, load_graph, save_graph
 
 
 def prepared_model(graph: Artifact) -> Any:
-    import onnx_ir as ir
 
-    return prepare(ir.load(graph.path / MODEL_FILE))
+    return prepare(load_graph(graph.path, MODEL_FILE))
 
 
 def save_beside(model: Any, graph: Artifact, out: Path) -> Path:
     """Write ``model`` as a graph folder with the IO spec of ``graph`` (position_ids as the model has it)."""
-    import onnx_ir as ir
     import onnx_ir.passes.common as common_passes
 
     common_passes.RemoveUnusedNodesPass()(model)
     has_positions = drop_unused_input(model.graph, "position_ids")
     out.mkdir(parents=True, exist_ok=True)
-    ir.save(model, out / MODEL_FILE, external_data=DATA_FILE)
+    save_graph(model, out, source_dirs=[graph.path])
     metadata = read_metadata(graph.path)
     metadata["io"] = {**metadata["io"], "has_position_ids": has_positions}
     write_metadata(out, Kind.GRAPH, metadata)
@@ -49,6 +47,6 @@ def fused_parity(tiny_graph: Artifact, tmp_path: Path) -> Callable[[Any], dict[s
 
     def check(model: Any) -> dict[str, Any]:
         folder = save_beside(model, tiny_graph, tmp_path / "fused")
-        return compare_decoding(tiny_graph.path, folder)
+        return compare_graphs(tiny_graph.path, folder)
 
     return check

@@ -14,6 +14,7 @@ from passes.build import OrtCpuBuildPass
 from passes.fusion.fuse import FusionPass
 from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import PassError
+from pipeline.graph_io import load_proto
 from pipeline.runtime.generate import GenerationConfig
 from pipeline.runtime.ort import Engine, OrtModel, graph_io
 from tests.conftest import genai_greedy_tokens
@@ -189,7 +190,7 @@ def test_packed_gate_up_merges_the_int4_mlp_projections(tiny_graph: Artifact, tm
     (tmp_path / "fused").mkdir()
     assert fusion.run(graph, tmp_path / "fused")["rewrites"]["packed_gate_up"] == 2
     result = Artifact.from_dir(Kind.GRAPH, tmp_path / "fused")
-    model = onnx.load(str(result.path / "model.onnx"))
+    model = load_proto(result.path)
     intermediate = json.loads((tiny_graph.path / "config.json").read_text())["intermediate_size"]
     splits = [n for n in model.graph.node if n.op_type == "Split"]
     assert len(splits) == 2
