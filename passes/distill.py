@@ -12,6 +12,15 @@ micro-batches. Precision (``precision="bf16"``, the default): mixed precision af
 et al. 2018, "Mixed Precision Training": the student's forward and backward run under
 ``torch.autocast(bfloat16)`` and the teacher as a bfloat16 copy, while master weights, AdamW
 state and the KD loss stay fp32 (bfloat16 has fp32's range, so no loss scaling).
+Placement (``pipeline.device``, ``pipeline.torch_dtype``), reconciled with ``precision``: everything
+(teacher, student, batches, AdamW state) lives on the placement's device. The frozen teacher is
+loaded in ``pipeline.torch_dtype``: in float32 (the CPU's ``auto``) it measures the held-out
+quality and, with ``precision="bf16"``, a bfloat16 copy of it teaches, as above; in bfloat16 or
+float16 it is that one copy, teaching and measuring (half the memory of fp32, no second copy). The
+student's master weights, AdamW state, KD loss and the held-out perplexity/KL are float32 (float64
+for the held-out sums) whatever the placement; ``precision`` alone picks the student's autocast
+dtype (bfloat16, or none for "fp32"): float16 autocast would need loss scaling, which we do not do,
+so a CUDA device without bfloat16 must use ``precision="fp32"`` (a one-line error says so).
 Data: token windows of the shipped calibration text (``calibration/data``; the
 eval suites are synthetic and the quality text is GPL-3, so neither is trained on), reshuffled
 every epoch; ``HOLDOUT`` windows are never trained on and measure perplexity and KL against the
@@ -166,9 +175,11 @@ class DistillPass(Pass):
     version = 1
     consumes = Kind.TORCH
     produces = Kind.TORCH
+    placement_knobs = ("device", "torch_dtype")
 
     def requires(self, source: Artifact) -> None:
         validate(self.config)
+        self._check_bfloat16()
         teacher = teacher_of(source)
         mine, theirs = source.path / "tokenizer.json", teacher / "tokenizer.json"
         if not mine.is_file() or not theirs.is_file() or sha256_file(mine) != sha256_file(theirs):
@@ -182,6 +193,17 @@ class DistillPass(Pass):
                     "distill.hidden_weight needs the student's hidden size to equal the teacher's "
                     "(prune.hidden_ratio=0); set distill.hidden_weight=0"
                 )
+
+    def _check_bfloat16(self) -> None:
+        if self.config.precision != "bf16" or self.placement.device_type != "cuda":
+            return
+        import torch
+
+        if not torch.cuda.is_bf16_supported():
+            raise PassError(
+                f"distill.precision=bf16: {self.placement.device} has no bfloat16 (and float16 "
+                "training would need loss scaling); use distill.precision=fp32"
+            )
 
     def _data(self, tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
         """(training windows, held-out windows) of the calibration text: every whole window of
@@ -202,13 +224,17 @@ class DistillPass(Pass):
         import torch
         from tqdm import tqdm
 
+        from pipeline.placement import ResolvedPlacement
         from pipeline.torch_model import copy_beside_weights, load_causal_lm, load_tokenizer
 
         config = self.config
         validate(config)
+        self._check_bfloat16()
+        placement = self.placement
         teacher_path = teacher_of(source)
-        teacher = load_causal_lm(teacher_path)
-        student = load_causal_lm(source.path)
+        teacher = load_causal_lm(teacher_path, placement=placement)
+        # Master weights in float32 on the placement's device, whatever its dtype.
+        student = load_causal_lm(source.path, placement=ResolvedPlacement(placement.device, "float32"))
         for parameter in teacher.parameters():
             parameter.requires_grad_(False)
         train, holdout = self._data(load_tokenizer(source.path))
@@ -231,8 +257,10 @@ class DistillPass(Pass):
             state["step"] * config.batch_size :
         ]
 
-        # The fp32 teacher measures quality before and after; a bfloat16 copy teaches.
-        trainer = copy.deepcopy(teacher).to(torch.bfloat16) if config.precision == "bf16" else teacher
+        # An fp32 teacher measures quality before and after; a bfloat16 copy teaches. A teacher
+        # loaded in a half dtype (pipeline.torch_dtype) does both.
+        half = config.precision == "bf16" and teacher.dtype == torch.float32
+        trainer = copy.deepcopy(teacher).to(torch.bfloat16) if half else teacher
         student.train()
         accumulate = config.batch_size // config.micro_batch_size
         bar = tqdm(total=config.steps, initial=state["step"], desc="distill", unit="step")
@@ -248,7 +276,7 @@ class DistillPass(Pass):
                 for start in range(0, config.batch_size, config.micro_batch_size):
                     ids = torch.from_numpy(
                         np.ascontiguousarray(train[batch[start : start + config.micro_batch_size]])
-                    )
+                    ).to(placement.torch_device)
                     loss = self._loss(trainer, student, ids, layer_map) / accumulate
                     loss.backward()
                     total += float(loss.detach())
@@ -284,6 +312,12 @@ class DistillPass(Pass):
             "loss_curve": state["curve"],
             "resumed_from_step": resumed_from,
             "tokens_trained": config.steps * config.batch_size * config.seq_len,
+            "compute": {
+                "device": str(placement.torch_device),
+                "teacher_dtype": str(teacher.dtype).removeprefix("torch."),
+                "student_dtype": str(student.dtype).removeprefix("torch."),
+                "autocast": "bfloat16" if config.precision == "bf16" else None,
+            },
         }
 
     def _loss(self, teacher: Any, student: Any, ids: Any, layer_map: list[int]) -> Any:
@@ -292,7 +326,9 @@ class DistillPass(Pass):
         hidden = self.config.hidden_weight > 0
         with torch.no_grad():
             t_out = teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.precision == "bf16"):
+        with torch.autocast(
+            self.placement.device_type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16"
+        ):
             s_out = student(input_ids=ids, use_cache=False, output_hidden_states=hidden)
         loss = kd_loss(s_out.logits, t_out.logits, self.config.temperature)
         if hidden:  # hidden_states[i + 1] is layer i's output
@@ -471,7 +507,7 @@ def _unique_tensors(weights: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
             aliases[name] = seen[identity]
         else:
             seen[identity] = name
-            tensors[name] = tensor.detach().contiguous()
+            tensors[name] = tensor.detach().cpu().contiguous()
     return tensors, aliases
 
 
@@ -484,7 +520,7 @@ def _split_optimizer(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     for index, values in state_dict["state"].items():
         for name, value in values.items():
             if torch.is_tensor(value):
-                tensors[f"state.{index}.{name}"] = value.detach().contiguous()
+                tensors[f"state.{index}.{name}"] = value.detach().cpu().contiguous()
             else:
                 scalars.setdefault(str(index), {})[name] = value
     return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}

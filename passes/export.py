@@ -11,25 +11,57 @@ Attention is traced from transformers' eager implementation by default (faster o
 than the SDPA decomposition; see ``ExportConfig.attention``).
 Spec: ONNX Runtime GenAI ``genai_config.json`` decoder IO names.
 
-``ensures``: ONNX Runtime logits vs torch on a fixed prompt, prefill and one decode step;
-max abs difference and top-1 agreement are recorded, and the pass fails below
-``min_top1_agreement``.
+Bounded memory (issue 21): the model is traced without its weights and the weights are attached
+from the checkpoint afterwards, one tensor at a time, so ``run`` never holds the model (measured
+on the 362M shape: peak RSS 0.78x its fp32 weights, 4.84x before; see ``large_allocations_unmapped``
+for the allocator setting that takes). The
+trace runs on a skeleton whose parameters are placeholders that occupy no memory (one scalar
+broadcast to the parameter's shape, ``expand``: stride 0) and is exported with
+``export_params=False``, so every parameter (or the ``weight.T`` the exporter folds from it)
+stays a graph input of the traced graph. Each of those inputs is then resolved to its checkpoint
+tensor (by its name, or as the transposed weight of the ``MatMul`` that consumes it) and becomes
+an initializer whose data is read lazily from the safetensors (memory-mapped by ``safe_open``)
+while onnx-ir writes the external data, in shards of at most ``SHARD_BYTES``. The exporter
+deduplicates initializers of equal value (``_jit_pass_onnx_deduplicate_initializers``: the
+RMSNorm weights of a fresh model are all ones), so the placeholders carry one scalar per class of
+equal checkpoint tensors (hashed in float32, one tensor at a time): the traced graph is the one
+the exporter makes from the real weights (same nodes, initializer names and values; a test
+compares with an export of the loaded model). We do not use the dynamo exporter's fake-tensor
+mode: it is the slower exporter here and would change the graph.
+
+No device or dtype knob (``placement_knobs`` stays empty): the exporter traces a weightless
+skeleton on the CPU and computes nothing, and the graph's precision is set by the graph passes
+(``quant=fp16``, ``int8``, ...); the weights are written in float32, as the checkpoint's values.
+
+``ensures``: no file in the output that ``model.onnx`` does not reference (the exporter's
+per-tensor files of earlier versions survived beside the consolidated data); ONNX Runtime
+logits vs torch on a fixed prompt, prefill and one decode step; max abs difference and top-1
+agreement are recorded, and the pass fails below ``min_top1_agreement``. ONNX Runtime runs
+first and is released (its memory returned, see ``large_allocations_unmapped``) before torch
+loads the fp32 model, so the two never coexist: measured on the 362M shape, ``ensures`` peaks at
+1.84x the fp32 weights (2.47x before); ONNX Runtime's session alone holds ~1.1x the data (it
+prepacks the MatMul weights).
 """
 
 from __future__ import annotations
 
 import enum
+import gc
+import hashlib
+import io as bytes_io
 import json
 import logging
 import shutil
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pipeline.artifacts import Artifact, Kind, write_metadata
+from pipeline.allocator import large_allocations_unmapped
+from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, write_metadata
 from pipeline.base import Pass
 from pipeline.config import register_pass
 from pipeline.errors import PassError
@@ -42,7 +74,14 @@ log = logging.getLogger(__name__)
 MODEL_FILE = "model.onnx"
 EXTRAS_DIR = "extras"  # torch-stage passes leave data for graph-stage passes here
 WRAPPER_SCOPE = "/model/"  # node-name prefix of the flat-KV wrapper module
+WRAPPER_PREFIX = "model."  # parameter-name prefix of the flat-KV wrapper module
+# The external data (pipeline/graph_io.save_graph): one file, DATA_FILE, up to SHARD_BYTES; past it
+# shards model-00001-of-0000N.data of at most SHARD_BYTES each (a tensor is never split). 1 GiB:
+# the default model (540 MB in fp32) stays one file, and a graph pass that rewrites some layers
+# links the shards it leaves unchanged.
 DATA_FILE = "model.onnx.data"
+SHARD_BYTES = 1 << 30
+INLINE_BYTES = 1024  # smaller tensors stay inside model.onnx
 CARRIED_FILES = (
     "config.json",
     "generation_config.json",
@@ -52,6 +91,8 @@ CARRIED_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 class Attention(enum.StrEnum):
@@ -106,30 +147,34 @@ def _token_ids(hf_config: dict[str, Any], generation: dict[str, Any], tokenizer:
 class ExportPass(Pass):
     Config = ExportConfig
     name = "export"
-    version = 2
+    # 3: weights attached from the checkpoint after a weightless trace, external data in shards
+    # (same graph; the data file's layout differs).
+    version = 3
     consumes = Kind.TORCH
     produces = Kind.GRAPH
+    # placement_knobs stays (): see the module docstring (the trace computes nothing; graph passes
+    # set the graph's precision). memory_profile stays "whole": ``ensures`` loads the fp32 model.
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
-        import onnx
+        import onnx_ir as ir
+
+        from pipeline.graph_io import save_graph
 
         with phases("export", 3) as start:
-            start("load torch model")
-            model = load_causal_lm(source.path, attn_implementation=Attention(self.config.attention).value)
-            start("trace to ONNX")
-            io = self._export(model, out_dir / "traced.onnx")
+            start("trace the weightless model")
+            checkpoint = Checkpoint(source.path)
+            skeleton = placeholder_model(source.path, checkpoint, Attention(self.config.attention).value)
+            with large_allocations_unmapped():
+                traced, io = self._export(skeleton)
+            start("attach weights")
+            model = ir.serde.deserialize_model(traced)
+            del traced
+            attach_weights(model, skeleton, checkpoint, user_inputs=len(_input_names(io)))
+            linear_weights = name_linear_weights(model.graph)
             start("write external data")
-            graph = onnx.load(str(out_dir / "traced.onnx"))
-            (out_dir / "traced.onnx").unlink()
-            linear_weights = name_linear_weights(graph)
-            # One external-data file beside the graph (the GenAI layout; required past 2 GB anyway).
-            onnx.save_model(
-                graph,
-                str(out_dir / MODEL_FILE),
-                save_as_external_data=True,
-                all_tensors_to_one_file=True,
-                location=DATA_FILE,
-                size_threshold=1024,
+            # onnx-ir evaluates the lazy tensors one at a time as it writes them (serially).
+            saved = save_graph(
+                model, out_dir, name=MODEL_FILE, shard_bytes=SHARD_BYTES, inline_bytes=INLINE_BYTES
             )
         for name in CARRIED_FILES:
             if (source.path / name).is_file():
@@ -140,7 +185,7 @@ class ExportPass(Pass):
         gen_path = source.path / "generation_config.json"
         generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         tokens = _token_ids(hf_config, generation, load_tokenizer(source.path))
-        config = model.config
+        config = skeleton.config
         write_metadata(
             out_dir,
             Kind.GRAPH,
@@ -156,10 +201,18 @@ class ExportPass(Pass):
                 "linear_weights": linear_weights,
             },
         )
-        return {"nodes": len(graph.graph.node), "opset": self.config.opset}
+        return {
+            "nodes": sum(1 for _ in model.graph),
+            "opset": self.config.opset,
+            "data_files": list(saved.data_files),
+            "written_bytes": saved.written_bytes,
+        }
 
-    def _export(self, model: Any, path: Path) -> IOSpec:
-        """Trace ``model`` with a flat KV-cache signature to ``path``; return its IO spec."""
+    def _export(self, model: Any, export_params: bool = False) -> tuple[Any, IOSpec]:
+        """Trace ``model`` with a flat KV-cache signature; return the ONNX ``ModelProto`` and its IO
+        spec. Without ``export_params`` the parameters stay graph inputs (after the exporter's
+        constant folding and deduplication) and the proto holds no weights."""
+        import onnx
         import torch
 
         config = model.config
@@ -187,21 +240,35 @@ class ExportPass(Pass):
         dynamic_axes.update({n: {0: "batch_size", 2: "past_sequence_length"} for n in io.past_names()})
         dynamic_axes.update({n: {0: "batch_size", 2: "total_sequence_length"} for n in io.present_names()})
         log.info("exporting %d layers to ONNX (opset %d)", io.num_layers, self.config.opset)
+        # In memory: without weights the proto is small (and never external data, whatever the model).
+        buffer = bytes_io.BytesIO()
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 wrapper,
                 (input_ids, attention_mask, position_ids, *past_kv),
-                str(path),
-                input_names=["input_ids", "attention_mask", "position_ids", *io.past_names()],
+                buffer,
+                input_names=_input_names(io),
                 output_names=["logits", *io.present_names()],
                 dynamic_axes=dynamic_axes,
                 opset_version=self.config.opset,
+                export_params=export_params,
                 dynamo=False,
             )
-        return io
+        return onnx.load_from_string(buffer.getvalue()), io
 
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
+        from pipeline.graph_io import check_data_files
+
+        check_data_files(result.path, "export")  # unreferenced *.data files, missing referenced ones
+        # Stricter: the exporter's per-tensor files (onnx__MatMul_662, ...) carry no .data suffix.
+        stray = unreferenced_files(result.path)
+        if stray:
+            raise PassError(
+                f"export: {result.path / stray[0]} is not referenced by {MODEL_FILE} ({len(stray)} such "
+                "file(s): external data left behind?); an export output holds only the graph, its data "
+                "and the checkpoint's config and tokenizer files"
+            )
         parity = check_parity(source.path, result.path, self.config.parity_prompt)
         if parity["top1_agreement"] < self.config.min_top1_agreement:
             raise PassError(
@@ -212,32 +279,240 @@ class ExportPass(Pass):
         return {"parity": parity}
 
 
+# --------------------------------------------------------------------------------------------
+# Weights: a weightless skeleton to trace, then the checkpoint's tensors attached lazily
+
+
+class Checkpoint:
+    """The tensors of a safetensors checkpoint (one file or an index of shards), read one at a
+    time: each read maps its file (``safe_open``) and unmaps it again, so pages of the checkpoint
+    never accumulate in this process."""
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        index = folder / SAFETENSORS_INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            self.files = {name: folder / file for name, file in weight_map.items()}
+        elif (folder / SAFETENSORS_FILE).is_file():
+            with safe_open(str(folder / SAFETENSORS_FILE), framework="pt") as handle:
+                self.files = {name: folder / SAFETENSORS_FILE for name in handle.keys()}  # noqa: SIM118
+        else:
+            raise PassError(
+                f"export: {folder} has neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX}; "
+                "save the checkpoint as safetensors"
+            )
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def float32(self, name: str) -> Any:
+        """Tensor ``name`` as a float32 torch tensor (exact: the loader casts the same way)."""
+        import torch
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            return handle.get_tensor(name).to(torch.float32)
+
+
+def _input_names(io: IOSpec) -> list[str]:
+    return ["input_ids", "attention_mask", "position_ids", *io.past_names()]
+
+
+def _value_classes(names: list[str], checkpoint: Checkpoint) -> dict[str, int]:
+    """Tensor name -> class index, equal for tensors of equal shape and equal float32 values (the
+    exporter's deduplication criterion, ``torch.equal``; bitwise here, so -0.0 and 0.0 differ),
+    read and hashed one tensor at a time."""
+    import torch
+
+    classes: dict[tuple[tuple[int, ...], bytes], int] = {}
+    result = {}
+    for name in names:
+        tensor = checkpoint.float32(name).contiguous()
+        digest = hashlib.blake2b(tensor.reshape(-1).view(torch.uint8).numpy()).digest()
+        key = (tuple(tensor.shape), digest)
+        result[name] = classes.setdefault(key, len(classes) + 1)
+        del tensor
+    return result
+
+
+def placeholder_model(folder: Path, checkpoint: Checkpoint, attention: str) -> Any:
+    """The checkpoint's ``LlamaForCausalLM`` without its weights: every parameter a float32
+    placeholder of its shape holding one scalar (stride 0: no memory), equal for parameters whose
+    checkpoint tensors are equal, so the exporter folds and deduplicates as for the real weights.
+    Buffers (the rotary frequencies) are real. Each parameter's checkpoint name is kept in
+    ``model.checkpoint_names`` (parameter id -> name)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    config._attn_implementation = attention  # what from_pretrained(attn_implementation=...) sets
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=torch.float32)
+    model.tie_weights()
+    # Every name each (possibly tied) parameter has; the checkpoint holds one of them.
+    aliases: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(parameter), []).append(name)
+    sources: dict[int, str] = {}
+    for key, names in aliases.items():
+        found = [n for n in names if n in checkpoint]
+        if not found:
+            raise PassError(
+                f"export: the checkpoint in {folder} has no tensor {names[0]}; "
+                "re-save it with save_pretrained"
+            )
+        sources[key] = found[0]
+    classes = _value_classes(sorted(set(sources.values())), checkpoint)
+    replaced: dict[int, Any] = {}
+    checkpoint_names: dict[int, str] = {}
+    for module in model.modules():
+        for pname, parameter in list(module._parameters.items()):
+            if parameter is None:
+                continue
+            if id(parameter) not in replaced:
+                value = torch.full((), float(classes[sources[id(parameter)]]), dtype=torch.float32)
+                new = torch.nn.Parameter(value.expand(parameter.shape), requires_grad=False)
+                replaced[id(parameter)] = new
+                checkpoint_names[id(new)] = sources[id(parameter)]
+            module._parameters[pname] = replaced[id(parameter)]
+    for module_name, module in model.named_modules():
+        if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
+            if not hasattr(module, "inv_freq"):
+                raise PassError(
+                    f"export: cannot rebuild the buffers of {module_name} ({type(module).__name__})"
+                )
+            rebuilt = type(module)(config=config)  # the rotary embedding: its frequencies from the config
+            parent_name, _, child = module_name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, rebuilt)
+    model.checkpoint_names = checkpoint_names
+    return model.eval()
+
+
+def attach_weights(model: Any, skeleton: Any, checkpoint: Checkpoint, user_inputs: int) -> None:
+    """Turn the parameter inputs of the traced ``model`` (onnx-ir, traced without parameters) into
+    initializers that read their checkpoint tensor when written: an input named after a parameter
+    holds it; one the exporter folded holds the transposed weight of the ``MatMul`` consuming it."""
+    import onnx_ir as ir
+
+    graph = model.graph
+    by_name = dict(skeleton.named_parameters(remove_duplicate=False))
+    names = skeleton.checkpoint_names
+    parameters = list(graph.inputs)[user_inputs:]
+    for value in parameters:
+        name = value.name or ""
+        source: tuple[str, bool] | None = None
+        if name.startswith(WRAPPER_PREFIX) and name.removeprefix(WRAPPER_PREFIX) in by_name:
+            parameter = by_name[name.removeprefix(WRAPPER_PREFIX)]
+            if tuple(value.shape) == tuple(parameter.shape):
+                source = (names[id(parameter)], False)
+        else:
+            for use in value.uses():
+                module = _matmul_module(use.node)
+                parameter = by_name.get(f"{module}.weight") if module and use.idx == 1 else None
+                if parameter is not None and tuple(value.shape) == tuple(parameter.shape)[::-1]:
+                    source = (names[id(parameter)], True)
+                    break
+        if source is None:
+            raise PassError(
+                f"export: cannot tell which checkpoint tensor the traced input {name} "
+                f"{tuple(value.shape)} holds; this transformers version exports an unexpected graph"
+            )
+        value.const_value = ir.LazyTensor(
+            _reader(checkpoint, *source), dtype=ir.DataType.FLOAT, shape=ir.Shape(value.shape), name=name
+        )
+    for _ in parameters:
+        graph.inputs.pop()
+    for value in parameters:
+        graph.register_initializer(value)
+
+
+def _reader(checkpoint: Checkpoint, name: str, transpose: bool) -> Callable[[], Any]:
+    def read() -> Any:
+        import onnx_ir as ir
+
+        tensor = checkpoint.float32(name)
+        array = (tensor.T if transpose else tensor).contiguous().numpy()
+        return ir.tensor(array)
+
+    return read
+
+
+def _matmul_module(node: Any) -> str | None:
+    """The module a linear layer's ``MatMul`` node belongs to (``model.layers.0.mlp.up_proj``), from
+    its name (``/model/model/layers.0/mlp/up_proj/MatMul``); None for other nodes."""
+    if node.op_type != "MatMul" or not (node.name or "").endswith("/MatMul") or len(node.inputs) != 2:
+        return None
+    return node.name.removeprefix(WRAPPER_SCOPE).removesuffix("/MatMul").strip("/").replace("/", ".")
+
+
 def name_linear_weights(graph: Any) -> dict[str, str]:
     """Rename each linear layer's weight initializer after its module; return module -> name.
 
     The TorchScript exporter folds ``weight.T`` into anonymous initializers (``onnx::MatMul_662``)
     but names each MatMul node after its module scope (``/model/model/layers.0/mlp/up_proj/MatMul``).
     Quantization passes select layers by module name (``quant.exclude=[lm_head]``), so the weight
-    ([in, out], i.e. the transposed torch weight) is renamed ``<module>.weight_t``.
+    ([in, out], i.e. the transposed torch weight) is renamed ``<module>.weight_t``. ``graph`` is
+    an onnx-ir graph whose parameters are initializers.
     """
-    initializers = {init.name: init for init in graph.graph.initializer}
-    uses: dict[str, int] = {}
-    for node in graph.graph.node:
-        for name in node.input:
-            uses[name] = uses.get(name, 0) + 1
     renamed: dict[str, str] = {}
-    for node in graph.graph.node:
-        if node.op_type != "MatMul" or not node.name.endswith("/MatMul") or len(node.input) != 2:
+    for node in graph:
+        module = _matmul_module(node)
+        if module is None:
             continue
-        weight = node.input[1]
-        if weight not in initializers or uses[weight] != 1 or len(initializers[weight].dims) != 2:
+        weight = node.inputs[1]
+        if (
+            weight is None
+            or weight.name not in graph.initializers
+            or len(weight.uses()) != 1
+            or len(weight.shape) != 2
+        ):
             continue
-        module = node.name.removeprefix(WRAPPER_SCOPE).removesuffix("/MatMul").strip("/").replace("/", ".")
         new_name = f"{module}.weight_t"
-        initializers[weight].name = new_name
-        node.input[1] = new_name
+        graph.initializers.pop(weight.name)
+        weight.name = new_name
+        if weight.const_value is not None:
+            weight.const_value.name = new_name
+        graph.register_initializer(weight)
         renamed[module] = new_name
     return renamed
+
+
+def _tensors(graph: Any) -> Iterator[Any]:
+    """Every TensorProto of an ONNX graph: initializers and those in node attributes, subgraphs too."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            if attribute.HasField("g"):
+                yield from _tensors(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from _tensors(subgraph)
+
+
+def external_files(model_path: Path) -> set[str]:
+    """The external-data files an ONNX model references (``location`` entries), without loading them."""
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    files = set()
+    for tensor in _tensors(model.graph):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            files.update(entry.value for entry in tensor.external_data if entry.key == "location")
+    return files
+
+
+def unreferenced_files(folder: Path) -> list[str]:
+    """Files in an export output that belong to none of: the graph, the external data it
+    references, ``artifact.json``, the carried checkpoint files, ``extras/``."""
+    expected = {MODEL_FILE, ARTIFACT_FILE, EXTRAS_DIR, *CARRIED_FILES, *external_files(folder / MODEL_FILE)}
+    return sorted(path.name for path in folder.iterdir() if path.name not in expected)
 
 
 def _flat_kv_decoder(model: Any, num_layers: int) -> Any:
@@ -273,23 +548,20 @@ def _flat_kv_decoder(model: Any, num_layers: int) -> Any:
 
 
 def check_parity(torch_dir: Path, graph_dir: Path, prompt: str) -> dict[str, Any]:
-    """Compare ONNX Runtime with torch on ``prompt``: prefill plus one greedy decode step."""
+    """Compare ONNX Runtime with torch on ``prompt``: prefill plus one greedy decode step.
+
+    ONNX Runtime runs first and is released before torch loads the model: the two never hold
+    their weights at the same time."""
     import torch
 
-    model = load_causal_lm(torch_dir)
     ids = load_tokenizer(torch_dir)(prompt)["input_ids"]
-    onnx_model = OrtModel(graph_dir / MODEL_FILE, graph_io(graph_dir))
-    prompt_ids = np.array([ids], dtype=np.int64)
-    mask = np.ones_like(prompt_ids)
-    positions = np.arange(len(ids), dtype=np.int64)[None]
-    ort_prefill, cache = onnx_model.step(prompt_ids, mask, positions, onnx_model.empty_cache(1))
-    next_token = int(ort_prefill[0, -1].argmax())
-    ort_decode, _ = onnx_model.step(
-        np.array([[next_token]]), np.ones((1, len(ids) + 1), np.int64), np.array([[len(ids)]]), cache
-    )
+    with large_allocations_unmapped():  # what ONNX Runtime frees goes back before torch loads
+        ort_prefill, ort_decode, next_token = _ort_logits(graph_dir, ids)
+    model = load_causal_lm(torch_dir)
     with torch.no_grad():
         full = torch.tensor([[*ids, next_token]])
         reference = model(full).logits[0].numpy()
+    del model
     ort_logits = np.concatenate([ort_prefill[0], ort_decode[0]], axis=0)
     agree = (ort_logits.argmax(-1) == reference.argmax(-1)).mean()
     return {
@@ -299,3 +571,20 @@ def check_parity(torch_dir: Path, graph_dir: Path, prompt: str) -> dict[str, Any
         "decode_max_abs_diff": float(np.abs(ort_decode[0, -1] - reference[-1]).max()),
         "top1_agreement": float(agree),
     }
+
+
+def _ort_logits(graph_dir: Path, ids: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
+    """ONNX Runtime's prefill logits on ``ids``, its decode logits for the greedy next token, and
+    that token; the session is released on return."""
+    onnx_model = OrtModel(graph_dir / MODEL_FILE, graph_io(graph_dir))
+    prompt_ids = np.array([ids], dtype=np.int64)
+    mask = np.ones_like(prompt_ids)
+    positions = np.arange(len(ids), dtype=np.int64)[None]
+    ort_prefill, cache = onnx_model.step(prompt_ids, mask, positions, onnx_model.empty_cache(1))
+    next_token = int(ort_prefill[0, -1].argmax())
+    ort_decode, _ = onnx_model.step(
+        np.array([[next_token]]), np.ones((1, len(ids) + 1), np.int64), np.array([[len(ids)]]), cache
+    )
+    del onnx_model, cache
+    gc.collect()
+    return ort_prefill, ort_decode, next_token

@@ -24,6 +24,12 @@ perplexity); the distill pass recovers it.
 
 Metrics: parameters before/after, and perplexity and KL (teacher || pruned) on held-out
 calibration windows (a seed and windows disjoint from those that ranked the channels).
+
+Placement (``pipeline.device``, ``pipeline.torch_dtype``): the importance forwards and the
+held-out quality forwards run on the placement's device in its dtype; the scores and the
+perplexity/KL are accumulated in float64 whatever the compute dtype. The pruned weights are
+sliced from the checkpoint's tensors read in float32 (not from the model in the compute dtype),
+so a bfloat16 ranking never rounds the output, which stays float32 safetensors.
 """
 
 from __future__ import annotations
@@ -148,14 +154,20 @@ class Importance:
     layers: np.ndarray  # [layers] block importance
 
 
+def _device(model: Any) -> Any:
+    return next(model.parameters()).device
+
+
 def measure_importance(model: Any, windows: np.ndarray, batch_size: int, shape: Shape) -> Importance:
+    """Scores from forwards of ``model`` on its device in its dtype, accumulated there in float64."""
     import torch
 
     layers = model.model.layers
-    mlp = torch.zeros(shape.layers, shape.intermediate, dtype=torch.float64)
-    heads = torch.zeros(shape.layers, shape.heads, dtype=torch.float64)
-    hidden = torch.zeros(shape.hidden, dtype=torch.float64)
-    block = torch.zeros(shape.layers, dtype=torch.float64)
+    device = _device(model)
+    mlp = torch.zeros(shape.layers, shape.intermediate, dtype=torch.float64, device=device)
+    heads = torch.zeros(shape.layers, shape.heads, dtype=torch.float64, device=device)
+    hidden = torch.zeros(shape.hidden, dtype=torch.float64, device=device)
+    block = torch.zeros(shape.layers, dtype=torch.float64, device=device)
     tokens = 0
     hooks = []
 
@@ -195,16 +207,16 @@ def measure_importance(model: Any, windows: np.ndarray, batch_size: int, shape: 
         with torch.inference_mode():
             for start in range(0, len(windows), batch_size):
                 batch = torch.from_numpy(np.ascontiguousarray(windows[start : start + batch_size]))
-                model(input_ids=batch, use_cache=False)
+                model(input_ids=batch.to(device), use_cache=False)
                 tokens += batch.numel()
     finally:
         for handle in hooks:
             handle.remove()
     return Importance(
-        mlp=(mlp / tokens).numpy(),
-        heads=(heads / tokens).numpy(),
-        hidden=(hidden / tokens).numpy(),
-        layers=(block / tokens).numpy(),
+        mlp=(mlp / tokens).cpu().numpy(),
+        heads=(heads / tokens).cpu().numpy(),
+        hidden=(hidden / tokens).cpu().numpy(),
+        layers=(block / tokens).cpu().numpy(),
     )
 
 
@@ -229,13 +241,22 @@ def kept_heads(scores: np.ndarray, shape: Shape, target: Shape) -> np.ndarray:
 # Slicing
 
 
+def checkpoint_state(folder: Path) -> dict[str, Any]:
+    """The checkpoint's tensors as float32 CPU tensors (exact: as ``load_causal_lm`` casts them on
+    the CPU in float32), read file by file from the safetensors."""
+    from passes.export import Checkpoint
+
+    checkpoint = Checkpoint(folder)
+    return {name: checkpoint.float32(name) for name in checkpoint.files}
+
+
 def pruned_state(
-    model: Any, importance: Importance, shape: Shape, target: Shape
+    state: dict[str, Any], tied: bool, importance: Importance, shape: Shape, target: Shape
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The pruned model's state dict and what was kept (indices, for the record)."""
+    """The pruned model's state dict (sliced from ``state``, the checkpoint's tensors; ``tied``:
+    the model ties lm_head to the embedding) and what was kept (indices, for the record)."""
     import torch
 
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     hidden = torch.from_numpy(top(importance.hidden, target.hidden))
     layers = [int(i) for i in top(importance.layers, target.layers)]
     out: dict[str, Any] = {}
@@ -248,7 +269,7 @@ def pruned_state(
 
     out["model.embed_tokens.weight"] = cols(state["model.embed_tokens.weight"], hidden)
     out["model.norm.weight"] = rows(state["model.norm.weight"], hidden)
-    if "lm_head.weight" in state and not model.config.tie_word_embeddings:
+    if "lm_head.weight" in state and not tied:
         out["lm_head.weight"] = cols(state["lm_head.weight"], hidden)
     record: dict[str, Any] = {"layers": layers, "mlp_channels": {}, "heads": {}}
     for new, old in enumerate(layers):
@@ -297,7 +318,8 @@ def pruned_config(config: dict[str, Any], target: Shape, layers: list[int]) -> d
 
 
 def holdout_quality(teacher: Any, student: Any, windows: np.ndarray) -> dict[str, float]:
-    """Perplexity of both and mean KL(teacher || student) per token on ``windows``."""
+    """Perplexity of both and mean KL(teacher || student) per token on ``windows``: each model runs
+    on its own device in its own dtype; the log-probabilities and sums are float64 (on the CPU)."""
     import torch
 
     nll_t = nll_s = kl = 0.0
@@ -305,8 +327,10 @@ def holdout_quality(teacher: Any, student: Any, windows: np.ndarray) -> dict[str
     with torch.inference_mode():
         for window in windows:
             ids = torch.from_numpy(np.ascontiguousarray(window[None]))
-            lt = torch.log_softmax(teacher(input_ids=ids, use_cache=False).logits.double()[0, :-1], -1)
-            ls = torch.log_softmax(student(input_ids=ids, use_cache=False).logits.double()[0, :-1], -1)
+            logits_t = teacher(input_ids=ids.to(_device(teacher)), use_cache=False).logits
+            logits_s = student(input_ids=ids.to(_device(student)), use_cache=False).logits
+            lt = torch.log_softmax(logits_t.double().cpu()[0, :-1], -1)
+            ls = torch.log_softmax(logits_s.double().cpu()[0, :-1], -1)
             targets = ids[0, 1:]
             nll_t -= float(lt.gather(-1, targets[:, None]).sum())
             nll_s -= float(ls.gather(-1, targets[:, None]).sum())
@@ -328,6 +352,7 @@ class PrunePass(Pass):
     version = 2  # 2: the teacher (path, digest) in the metadata, for distill
     consumes = Kind.TORCH
     produces = Kind.TORCH
+    placement_knobs = ("device", "torch_dtype")
 
     def requires(self, source: Artifact) -> None:
         validate(self.config)
@@ -347,7 +372,7 @@ class PrunePass(Pass):
         hf = json.loads((source.path / "config.json").read_text())
         shape = Shape.of(hf)
         target = target_shape(shape, config)
-        model = load_causal_lm(source.path)
+        model = load_causal_lm(source.path, placement=self.placement)
         tokenizer = load_tokenizer(source.path)
         windows = token_windows(tokenizer, config.calibration, knob="prune.calibration")
         holdout = self._holdout(tokenizer, windows)
@@ -356,7 +381,9 @@ class PrunePass(Pass):
             len(windows), config.calibration.seq_len, asdict(shape), asdict(target),
         )  # fmt: skip
         importance = measure_importance(model, windows, config.batch_size, shape)
-        state, kept_record = pruned_state(model, importance, shape, target)
+        state, kept_record = pruned_state(
+            checkpoint_state(source.path), model.config.tie_word_embeddings, importance, shape, target
+        )
         pruned_hf = pruned_config(hf, target, kept_record["layers"])
         student = LlamaForCausalLM(
             LlamaConfig(**{k: v for k, v in pruned_hf.items() if k != "architectures"})
@@ -371,6 +398,8 @@ class PrunePass(Pass):
 
         copy_beside_weights(source.path, out_dir, skip=("config.json",))
         student.save_pretrained(out_dir, safe_serialization=True)
+        del state
+        student = student.to(device=self.placement.torch_device, dtype=self.placement.dtype)
         quality = holdout_quality(model, student, holdout)
         params_before = sum(p.numel() for p in model.parameters())
         params_after = sum(p.numel() for p in student.parameters())

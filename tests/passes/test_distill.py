@@ -13,6 +13,7 @@ import pytest
 from passes.distill import DistillPass, kd_loss, learning_rate
 from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import PassError
+from pipeline.placement import ResolvedPlacement
 from tests.conftest import make_tiny_llama
 from tests.passes.test_prune import prune
 
@@ -25,9 +26,17 @@ def pruned(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Artifa
     return artifact
 
 
-def distill(source: Artifact, out: Path, checkpoints: Path, **config: object) -> tuple[Artifact, dict]:
+def distill(
+    source: Artifact,
+    out: Path,
+    checkpoints: Path,
+    placement: ResolvedPlacement | None = None,
+    **config: object,
+) -> tuple[Artifact, dict]:
     step = DistillPass(**{**SMALL, **config})
     step.checkpoint_dir = checkpoints
+    if placement is not None:
+        step.placement = placement
     step.requires(source)
     out.mkdir()
     metrics = step.run(source, out)
@@ -90,6 +99,35 @@ def test_distillation_recovers_and_records_its_curve(
     assert result.metadata["distill"]["steps"] == 6 and (result.path / "tokenizer.json").is_file()
     config = json.loads((result.path / "config.json").read_text())
     assert config["num_hidden_layers"] == 1  # the student's shape is kept
+
+
+def test_a_bfloat16_placement_teaches_with_a_bfloat16_teacher_and_float32_master_weights(
+    pruned: Artifact, tmp_path: Path
+) -> None:
+    """pipeline.torch_dtype=bfloat16: the frozen teacher is loaded in bfloat16 (its held-out
+    perplexity moves a little), the student keeps float32 master weights and bf16 autocast."""
+    from safetensors.torch import load_file
+
+    _, fp32 = distill(pruned, tmp_path / "fp32", tmp_path / "ckpt-fp32", steps=1)
+    result, bf16 = distill(
+        pruned,
+        tmp_path / "bf16",
+        tmp_path / "ckpt-bf16",
+        placement=ResolvedPlacement("cpu", "bfloat16"),
+        steps=1,
+    )
+    assert fp32["compute"]["teacher_dtype"] == "float32"
+    assert bf16["compute"] == {
+        "device": "cpu",
+        "teacher_dtype": "bfloat16",
+        "student_dtype": "float32",
+        "autocast": "bfloat16",
+    }
+    teacher = fp32["holdout_before"]["teacher_perplexity"], bf16["holdout_before"]["teacher_perplexity"]
+    assert teacher[0] != teacher[1] and teacher[1] == pytest.approx(teacher[0], rel=0.05)
+    assert bf16["holdout_before"]["perplexity"] == fp32["holdout_before"]["perplexity"]  # fp32 student
+    weights = load_file(result.path / "model.safetensors")
+    assert {str(tensor.dtype) for tensor in weights.values()} == {"torch.float32"}
 
 
 def test_a_killed_run_resumes_at_its_checkpoint_with_the_same_result(

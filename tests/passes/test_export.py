@@ -1,4 +1,5 @@
-"""Export pass on a tiny random Llama: GenAI IO names, dynamic axes, external data, parity."""
+"""Export pass on a tiny random Llama: GenAI IO names, dynamic axes, external data, parity, the
+weightless trace (the same graph as an export of the loaded model), shards, no stray files."""
 
 from __future__ import annotations
 
@@ -10,9 +11,21 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from passes.export import DATA_FILE, MODEL_FILE, ExportPass, check_parity
+import passes.export
+from passes.export import (
+    DATA_FILE,
+    MODEL_FILE,
+    Attention,
+    Checkpoint,
+    ExportPass,
+    check_parity,
+    name_linear_weights,
+    placeholder_model,
+)
 from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import PassError
+from pipeline.graph_io import load_proto
+from tests.conftest import make_tiny_llama
 
 
 def test_graph_has_genai_io_and_dynamic_axes(tiny_graph: Artifact) -> None:
@@ -32,10 +45,12 @@ def test_graph_has_genai_io_and_dynamic_axes(tiny_graph: Artifact) -> None:
     assert len(inputs) == 3 + 2 * 2 and len(outputs) == 1 + 2 * 2
 
 
-def test_weights_live_in_external_data(tiny_graph: Artifact) -> None:
+def test_weights_live_in_external_data(tiny_graph: Artifact, tmp_path: Path) -> None:
     assert (tiny_graph.path / DATA_FILE).stat().st_size > 100_000
     assert (tiny_graph.path / MODEL_FILE).stat().st_size < 200_000
-    onnx.checker.check_model(str(tiny_graph.path / MODEL_FILE), full_check=True)
+    # A copy: the checker refuses data files with several hard links (tiny_engine links them).
+    copy = Path(shutil.copytree(tiny_graph.path, tmp_path / "graph"))
+    onnx.checker.check_model(str(copy / MODEL_FILE), full_check=True)
 
 
 def test_metadata_and_tokenizer_travel_with_the_graph(tiny_graph: Artifact) -> None:
@@ -106,7 +121,7 @@ def test_linear_weights_are_named_after_their_modules(tiny_llama: Path, tiny_gra
     from safetensors.numpy import load_file
 
     weights = load_file(str(tiny_llama / "model.safetensors"))
-    graph = onnx.load(str(tiny_graph.path / MODEL_FILE))
+    graph = load_proto(tiny_graph.path)  # tiny_engine hard-links its data: onnx.load refuses that
     initializers = {t.name: numpy_helper.to_array(t) for t in graph.graph.initializer}
     linear = tiny_graph.metadata["linear_weights"]
     assert len(linear) == 2 * 7 + 1  # q k v o gate up down per layer, and lm_head
@@ -126,3 +141,109 @@ def test_linear_weights_are_named_after_their_modules(tiny_llama: Path, tiny_gra
 def test_settings_out_of_range_are_refused_when_built(settings: dict, needle: str) -> None:
     with pytest.raises(PassError, match=needle.replace(".", r"\.")):
         ExportPass(**settings)
+
+
+def export_of_the_loaded_model(folder: Path) -> onnx.ModelProto:
+    """What the export wrote before its weightless trace: torch's exporter on the model loaded with
+    its weights (``export_params=True``), linear weights renamed the same way."""
+    import onnx_ir as ir
+
+    from pipeline.torch_model import load_causal_lm
+
+    model = load_causal_lm(folder, attn_implementation=Attention.eager.value)
+    proto, _ = ExportPass()._export(model, export_params=True)
+    graph = ir.serde.deserialize_model(proto)
+    name_linear_weights(graph.graph)
+    return ir.serde.serialize_model(graph)
+
+
+def assert_same_graph(reference: onnx.ModelProto, folder: Path) -> None:
+    candidate = onnx.load(str(folder / MODEL_FILE))
+    assert list(candidate.graph.node) == list(reference.graph.node)  # ops, names, inputs, attributes
+    assert list(candidate.graph.input) == list(reference.graph.input)
+    assert list(candidate.graph.output) == list(reference.graph.output)
+    assert [t.name for t in candidate.graph.initializer] == [t.name for t in reference.graph.initializer]
+    for mine, theirs in zip(candidate.graph.initializer, reference.graph.initializer, strict=True):
+        a, b = numpy_helper.to_array(mine), numpy_helper.to_array(theirs)
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), mine.name
+
+
+def test_weightless_trace_gives_the_graph_of_the_loaded_model(tiny_llama: Path, tiny_graph: Artifact) -> None:
+    # The tiny model's RMSNorm weights are all ones: the exporter keeps one initializer for them.
+    assert_same_graph(export_of_the_loaded_model(tiny_llama), tiny_graph.path)
+    norms = [n for n in tiny_graph.metadata["linear_weights"].values() if "norm" in n]
+    assert not norms
+
+
+def test_weightless_trace_with_equal_weights_an_untied_head_and_a_sharded_checkpoint(tmp_path: Path) -> None:
+    """Equal weights are deduplicated by value (the placeholders must be equal exactly where the
+    checkpoint's tensors are), an untied lm_head has its own tensor, a sharded checkpoint reads."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    source = make_tiny_llama(tmp_path / "src", seed=3, tie_word_embeddings=False)
+    model = LlamaForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_proj.weight.copy_(model.model.layers[0].self_attn.q_proj.weight)
+        model.model.layers[1].post_attention_layernorm.weight.fill_(0.5)
+    (source / "model.safetensors").unlink()
+    model.save_pretrained(source, max_shard_size="100KB")
+    assert (source / "model.safetensors.index.json").is_file()
+    out = tmp_path / "graph"
+    out.mkdir()
+    ExportPass().run(Artifact.from_dir(Kind.TORCH, source), out)
+    assert_same_graph(export_of_the_loaded_model(source), out)
+    graph = onnx.load(str(out / MODEL_FILE), load_external_data=False)
+    names = {t.name for t in graph.graph.initializer}
+    # Norm weights: all ones but one layer's 0.5s: two initializers (ones deduplicated), the same
+    # that the exporter makes of the real weights.
+    assert sorted(n for n in names if "norm" in n) == [
+        "model.model.layers.0.input_layernorm.weight",
+        "model.model.layers.1.post_attention_layernorm.weight",
+    ]
+    assert "lm_head.weight_t" in names
+    result = ExportPass().ensures(Artifact.from_dir(Kind.TORCH, source), Artifact.from_dir(Kind.GRAPH, out))
+    assert result["parity"]["top1_agreement"] == 1.0
+
+
+def test_the_traced_skeleton_holds_no_weights(tiny_llama: Path) -> None:
+    skeleton = placeholder_model(tiny_llama, Checkpoint(tiny_llama), "eager")
+    parameters = list(skeleton.parameters())
+    assert len(parameters) == 2 * 9 + 2  # tied lm_head: one parameter with the embedding
+    for parameter in parameters:
+        assert parameter.untyped_storage().nbytes() == 4 and set(parameter.stride()) == {0}
+    norms = {float(skeleton.model.layers[i].input_layernorm.weight[0]) for i in range(2)}
+    assert len(norms) == 1  # equal checkpoint tensors (all ones): equal placeholders
+    assert skeleton.model.rotary_emb.inv_freq.device.type == "cpu"  # real frequencies
+
+
+def test_external_data_is_written_in_shards(
+    tiny_source: Artifact, tiny_graph: Artifact, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(passes.export, "SHARD_BYTES", 100_000)
+    export = ExportPass()
+    metrics = export.run(tiny_source, tmp_path)
+    shards = sorted(p.name for p in tmp_path.glob("*.data"))
+    assert len(shards) > 3 and shards == metrics["data_files"] and not (tmp_path / DATA_FILE).exists()
+    embedding = 320 * 64 * 4  # the largest tensor gets a shard of its own
+    assert all((tmp_path / s).stat().st_size <= max(100_000, embedding) for s in shards)
+    reference = load_proto(tiny_graph.path)
+    assert_same_graph(reference, tmp_path)
+    parity = export.ensures(tiny_source, Artifact.from_dir(Kind.GRAPH, tmp_path))["parity"]
+    assert parity["top1_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("planted", ["onnx__MatMul_662", "model.onnx.data.old", "model-00002-of-00002.data"])
+def test_ensures_refuses_an_unreferenced_file(
+    tiny_source: Artifact, tiny_graph: Artifact, tmp_path: Path, planted: str
+) -> None:
+    folder = Path(shutil.copytree(tiny_graph.path, tmp_path / "graph"))
+    (folder / planted).write_bytes(b"\0" * 4096)  # what the exporter left beside the data before
+    with pytest.raises(PassError) as error:
+        ExportPass().ensures(tiny_source, Artifact.from_dir(Kind.GRAPH, folder))
+    assert planted in str(error.value) and "\n" not in str(error.value)
+
+
+def test_export_output_holds_only_referenced_files(tiny_graph: Artifact) -> None:
+    assert passes.export.unreferenced_files(tiny_graph.path) == []
+    assert passes.export.external_files(tiny_graph.path / MODEL_FILE) == {DATA_FILE}

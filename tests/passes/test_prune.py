@@ -12,13 +12,18 @@ import pytest
 from passes.prune import PruneConfig, PrunePass, Shape, kept_heads, target_shape, top
 from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import PassError
+from pipeline.placement import ResolvedPlacement
 from tests.conftest import make_tiny_llama
 
 CALIBRATION = {"num_samples": 4, "seq_len": 32}
 
 
-def prune(source: Path, out: Path, **ratios: float) -> tuple[Artifact, dict]:
+def prune(
+    source: Path, out: Path, placement: ResolvedPlacement | None = None, **ratios: float
+) -> tuple[Artifact, dict]:
     step = PrunePass(calibration=CALIBRATION, **ratios)
+    if placement is not None:
+        step.placement = placement
     artifact = Artifact.from_dir(Kind.TORCH, source)
     step.requires(artifact)
     out.mkdir()
@@ -61,20 +66,33 @@ def test_the_pruned_checkpoint_goes_through_the_export_unchanged(tiny_llama: Pat
     assert checked["parity"]["top1_agreement"] == 1.0  # ORT on the pruned graph == torch on it
 
 
+DEAD = [3, 40, 77, 100]
+
+
+def hand_built(folder: Path) -> tuple[Path, object]:
+    """A 3-layer tiny Llama with four dead MLP channels in layer 0 (zero up projection) and an
+    identity layer 1 (zero o_proj and down_proj): (its folder, the model)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    source = make_tiny_llama(folder, num_hidden_layers=3)
+    model = LlamaForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[DEAD] = 0
+        model.model.layers[1].self_attn.o_proj.weight.zero_()
+        model.model.layers[1].mlp.down_proj.weight.zero_()
+    model.save_pretrained(source)
+    return source, model
+
+
 def test_importance_finds_dead_channels_and_an_identity_layer(tmp_path: Path) -> None:
     """MLP channels whose up projection is zero contribute nothing; a layer whose o_proj and
     down_proj are zero passes its input through (cosine 1): those are what pruning removes."""
     import torch
     from transformers import LlamaForCausalLM
 
-    source = make_tiny_llama(tmp_path / "hand", num_hidden_layers=3)
-    model = LlamaForCausalLM.from_pretrained(source)
-    dead = [3, 40, 77, 100]
-    with torch.no_grad():
-        model.model.layers[0].mlp.up_proj.weight[dead] = 0
-        model.model.layers[1].self_attn.o_proj.weight.zero_()
-        model.model.layers[1].mlp.down_proj.weight.zero_()
-    model.save_pretrained(source)
+    source, model = hand_built(tmp_path / "hand")
+    dead = DEAD
     result, metrics = prune(source, tmp_path / "pruned", mlp_ratio=4 / 128, depth_ratio=1 / 3)
     assert metrics["layers_kept"] == [0, 2]
     assert result.metadata["prune"]["block_importance"][1] == pytest.approx(0.0, abs=1e-9)
@@ -83,6 +101,30 @@ def test_importance_finds_dead_channels_and_an_identity_layer(tmp_path: Path) ->
         [model.model.layers[0].mlp.gate_proj.weight[i : i + 1] for i in range(128) if i not in dead]
     )
     assert torch.equal(pruned.model.layers[0].mlp.gate_proj.weight, original)
+
+
+def test_a_bfloat16_placement_ranks_in_bfloat16_and_slices_the_float32_weights(tmp_path: Path) -> None:
+    """pipeline.torch_dtype=bfloat16: the importance and held-out forwards run in bfloat16 (their
+    numbers move), the clear-cut choice stays, and the output weights are the checkpoint's float32
+    values (sliced from the checkpoint, not from the bfloat16 model)."""
+    import torch
+    from safetensors.torch import load_file
+
+    source, _ = hand_built(tmp_path / "hand")
+    ratios = {"mlp_ratio": 4 / 128, "depth_ratio": 1 / 3}
+    fp32, fp32_metrics = prune(source, tmp_path / "fp32", **ratios)
+    bf16, bf16_metrics = prune(
+        source, tmp_path / "bf16", placement=ResolvedPlacement("cpu", "bfloat16"), **ratios
+    )
+    scores = fp32.metadata["prune"]["block_importance"], bf16.metadata["prune"]["block_importance"]
+    assert scores[0] != scores[1] and scores[1] == pytest.approx(scores[0], rel=0.05, abs=1e-6)
+    ppl = fp32_metrics["holdout"]["teacher_perplexity"], bf16_metrics["holdout"]["teacher_perplexity"]
+    assert ppl[0] != ppl[1] and ppl[1] == pytest.approx(ppl[0], rel=0.05)
+    assert bf16_metrics["layers_kept"] == fp32_metrics["layers_kept"] == [0, 2]
+    a, b = load_file(fp32.path / "model.safetensors"), load_file(bf16.path / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert b[name].dtype == a[name].dtype == torch.float32 and b[name].equal(a[name]), name
 
 
 def test_heads_are_kept_per_kv_group() -> None:
