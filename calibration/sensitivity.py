@@ -2,16 +2,29 @@
 
 Sensitivity of a linear layer = mean over tokens of KL(p_fp32 || p_q), the divergence of the
 model's next-token distribution when only that layer is quantized (simulated: its weight replaced
-by the dequantized weight, its input by the quantized-dequantized input). This is the layer-wise
-scan of mixed-precision quantization (HAWQ, Dong et al. 2019, arXiv:1905.03696, ranks layers by a
-second-order proxy of the same loss; ModelOpt's and llm-compressor's tooling rank them by output
-divergence, as here). ``fallback_search`` then keeps the most sensitive layers in higher precision,
-fewest first, until the KL of the model with every other layer quantized meets a budget.
+by the dequantized weight, its input by the quantized-dequantized input). Two ways to get it:
 
-Cost: one reference forward caches each decoder block's input; a layer's scan restarts at its
-own block, so a full scan costs about half of (layers x one forward). Written here, not taken
-from a library: ModelOpt's and ONNX Runtime's tools scan ONNX graphs with an inference session
-per candidate (minutes per layer for a 650 MB graph on 2 cores); torch restarts mid-model.
+- ``fisher_sensitivity`` (the default, linear in depth): the second-order Taylor estimate of that
+  KL. At the fp32 weights the KL and its gradient vanish and its Hessian is the Fisher information
+  of the model's own next-token distribution, so with dy = the change of the layer's output
+  (quantized input and weight vs fp32), KL ~ 0.5 E_tokens E_{label ~ p_fp32}[(dlog p(label)/dy . dy)^2]
+  (HAWQ, Dong et al. 2019, arXiv:1905.03696, ranks layers by the same second-order term; NVIDIA
+  ModelOpt's AutoQuantize scores layers by (grad_output . dy)^2 the same way). The label
+  expectation is sampled (seeded) from the fp32 distribution: per batch of windows one forward
+  and ``samples`` backwards, with the scores accumulated in float32 in hooks on each layer's
+  output gradient; weights get no gradients. Cost: a few forward+backward passes whatever the
+  depth, plus one or two matmuls per layer and sample.
+- ``layer_sensitivity`` (``quant.sensitivity.method=exact``): the exact KL, restarting the forward
+  at the layer's block (``SensitivityProbe.kl``): about half of (layers x one forward), quadratic
+  in depth; kept for small models and to validate the estimate (``benchmarks/sensitivity.py``).
+
+``fallback_search`` then keeps the most sensitive layers in higher precision, fewest first, until
+the exact KL of the model with every other layer quantized meets a budget (~2 log2(k) forwards).
+
+Written here, not taken from a library: ModelOpt's AutoQuantize is tied to its own quantizer
+modules and search, and ModelOpt's and ONNX Runtime's ONNX tools scan graphs with an inference
+session per candidate (minutes per layer for a 650 MB graph on 2 cores); torch restarts mid-model
+and computes the Fisher term with plain hooks.
 """
 
 from __future__ import annotations
@@ -57,6 +70,9 @@ class SensitivityProbe:
         import torch
 
         self.model = model
+        self.windows = windows
+        self.batch_size = batch_size
+        self.device = model.get_input_embeddings().weight.device  # where the model computes
         self.blocks = list(model.model.layers)
         self.linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         self.input_absmax: dict[str, float] = {}
@@ -75,7 +91,7 @@ class SensitivityProbe:
 
         def linear_hook(name: str) -> Callable[..., None]:
             def hook(_module: Any, args: tuple[Any, ...]) -> None:
-                peak = float(args[0].detach().abs().max())
+                peak = float(args[0].detach().abs().max().float())
                 self.input_absmax[name] = max(self.input_absmax.get(name, 0.0), peak)
 
             return hook
@@ -91,7 +107,7 @@ class SensitivityProbe:
             with torch.inference_mode():
                 for start in range(0, len(windows), batch_size):
                     ids = torch.from_numpy(np.ascontiguousarray(windows[start : start + batch_size]))
-                    logits = model(input_ids=ids, use_cache=False).logits
+                    logits = model(input_ids=ids.to(self.device), use_cache=False).logits
                     self._reference.append(torch.log_softmax(logits.float(), dim=-1))
         finally:
             for handle in handles:
@@ -135,7 +151,9 @@ class SensitivityProbe:
                 module.weight.data = quantizer.weight(saved[name]).to(saved[name].dtype)
                 if quantizer.activation is not None:
                     act = quantizer.activation
-                    handles.append(module.register_forward_pre_hook(lambda _m, a, act=act: (act(a[0]),)))
+                    handles.append(
+                        module.register_forward_pre_hook(lambda _m, a, act=act: (act(a[0]).to(a[0].dtype),))
+                    )
             yield
         finally:
             for handle in handles:
@@ -157,6 +175,116 @@ def layer_sensitivity(
         )
     }
     return dict(sorted(scores.items(), key=lambda item: -item[1]))
+
+
+@dataclass
+class FisherScores:
+    """Per-layer second-order estimates of the KL (nats per token), two ways of summing the Fisher
+    term over a window's tokens (see :func:`fisher_sensitivity`)."""
+
+    tokenwise: dict[str, float]
+    sequence: dict[str, float]
+
+
+def fisher_scores(
+    probe: SensitivityProbe,
+    quantizers: dict[str, LayerQuantizer],
+    samples: int = 4,
+    seed: int = 0,
+    progress: bool = True,
+) -> FisherScores:
+    """The Fisher estimates of every layer's KL on the probe's windows; one forward and ``samples``
+    backwards per batch of windows, whatever the number of layers.
+
+    For a layer with input x and weight W, dy = act(x) @ w(W)^T - x @ W^T (float32); g = the
+    gradient of L = sum_t log p(label_t) (labels drawn from the fp32 model, seeded) with respect
+    to the layer's output, and s_t = g_t . dy_t per token. ``tokenwise`` = 0.5 mean_t E[s_t^2]
+    (what ModelOpt's AutoQuantize sums; drops the cross-token terms of the quadratic form);
+    ``sequence`` = 0.5 E[(sum_t s_t)^2] / tokens per window, the unbiased estimate of the Fisher
+    quadratic form 0.5 dy^T F dy (the cross terms of independently sampled labels have zero mean)
+    but noisier. No per-sample gradient, weight gradient or quantized weight copy is kept: each
+    layer's input is held for its backward (one batch of windows; about what autograd keeps for
+    the block anyway) and its quantized weight is made again at each use.
+    """
+    import torch
+    from tqdm import tqdm
+
+    model, device = probe.model, probe.device
+    tokenwise = {name: torch.zeros((), dtype=torch.float64, device=device) for name in quantizers}
+    sequence = {name: torch.zeros((), dtype=torch.float64, device=device) for name in quantizers}
+
+    def weight_delta(name: str) -> Any:
+        # Made again at each use, never cached: a cache would hold a float32 copy of every weight.
+        weight = probe.linears[name].weight.detach().float()
+        return quantizers[name].weight(weight).to(device=device, dtype=torch.float32) - weight
+
+    def output_hook(name: str) -> Callable[..., None]:
+        quantizer = quantizers[name]
+
+        def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
+            if not output.requires_grad:
+                return
+            x = args[0].detach()
+
+            def on_grad(grad: Any) -> None:
+                inputs, change = x.float(), weight_delta(name)
+                dy = inputs @ change.T
+                if quantizer.activation is not None:  # act(x) @ w(W)^T - x @ W^T
+                    quantized = quantizer.activation(x).to(device=device, dtype=torch.float32)
+                    dy += (quantized - inputs) @ (module.weight.detach().float() + change).T
+                del change
+                dots = (grad.float() * dy).sum(-1)  # [batch, tokens]
+                tokenwise[name] += dots.double().square().sum()
+                sequence[name] += dots.double().sum(-1).square().sum()
+
+            output.register_hook(on_grad)
+
+        return hook
+
+    # Gradients flow to the activations only: the embedding output requires grad, no weight does.
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
+    for parameter, _ in frozen:
+        parameter.requires_grad_(False)
+    handles = [probe.linears[name].register_forward_hook(output_hook(name)) for name in quantizers]
+    embeddings = model.get_input_embeddings()
+    handles.append(embeddings.register_forward_hook(lambda _m, _a, out: out.requires_grad_()))
+    generator = torch.Generator().manual_seed(seed)
+    batches = range(0, len(probe.windows), probe.batch_size)
+    try:
+        with torch.enable_grad():
+            for start in tqdm(batches, desc="sensitivity", unit="batch", disable=not progress):
+                ids = torch.from_numpy(np.ascontiguousarray(probe.windows[start : start + probe.batch_size]))
+                logits = model(input_ids=ids.to(device), use_cache=False).logits
+                logprobs = torch.log_softmax(logits.float(), dim=-1)
+                probs = logprobs.detach().exp().reshape(-1, logprobs.shape[-1]).cpu()
+                for sample in range(samples):
+                    labels = torch.multinomial(probs, 1, generator=generator).to(device)
+                    picked = logprobs.reshape(-1, logprobs.shape[-1]).gather(-1, labels).sum()
+                    picked.backward(retain_graph=sample < samples - 1)
+                del logits, logprobs, picked
+    finally:
+        for handle in handles:
+            handle.remove()
+        for parameter, requires_grad in frozen:
+            parameter.requires_grad_(requires_grad)
+    scale = 0.5 / (probe.tokens * samples)
+
+    def ranked(sums: dict[str, Any]) -> dict[str, float]:
+        scores = {name: float(total) * scale for name, total in sums.items()}
+        return dict(sorted(scores.items(), key=lambda item: -item[1]))
+
+    return FisherScores(ranked(tokenwise), ranked(sequence))
+
+
+def fisher_sensitivity(
+    probe: SensitivityProbe,
+    quantizers: dict[str, LayerQuantizer],
+    samples: int = 4,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, float]:
+    """Estimated KL of each layer quantized alone (:func:`fisher_scores`), most sensitive first."""
+    return fisher_scores(probe, quantizers, samples, seed, progress).tokenwise
 
 
 def fallback_search(

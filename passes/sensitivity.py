@@ -2,8 +2,17 @@
 
 For every linear layer a recipe would quantize, the KL divergence of the next-token distribution
 from the fp32 model's when only that layer is quantized (``calibration/sensitivity.py``; the
-layer-wise scan of mixed-precision work such as HAWQ, Dong et al. 2019, arXiv:1905.03696). The
-quantization is simulated in torch with the recipe's own formats:
+layer-wise scan of mixed-precision work such as HAWQ, Dong et al. 2019, arXiv:1905.03696).
+``quant.sensitivity.method`` says how it is obtained:
+
+- ``fisher`` (default): its second-order (Fisher) estimate from one forward and
+  ``quant.sensitivity.fisher_samples`` backwards per batch of windows (labels sampled from the
+  fp32 model): linear in depth, the way NVIDIA ModelOpt's AutoQuantize scores layers by gradients;
+- ``exact``: the KL itself, the forward restarted at each layer's block: quadratic in depth
+  (about a minute on the 135M default model, ~18 minutes at 360M), for small models.
+
+``benchmarks/sensitivity.py`` compares the two on the default model. The quantization is
+simulated in torch with the recipe's own formats:
 
 - ``int4`` (AWQ/GPTQ recipes): group-wise round-to-nearest of the weights (``passes/int4.py``),
   the baseline the algorithms improve on: it ranks layers, the algorithms then lower every KL;
@@ -14,9 +23,14 @@ quantization is simulated in torch with the recipe's own formats:
 With ``quant.fallback=auto`` the fewest most sensitive layers are kept in higher precision until
 the KL with all other layers quantized together is within ``quant.kl_budget`` (same windows);
 they are written to ``extras/sensitivity/fallback.json``, which every quantization pass of the
-recipe adds to ``quant.exclude`` (``passes/selection.py``). The scan goes to the run record
-(this pass's metrics) and ``extras/sensitivity/sensitivity.json``. The weights pass through
-unchanged (hard links where the filesystem allows).
+recipe adds to ``quant.exclude`` (``passes/selection.py``). The fallback search always measures
+the exact KL of a few prefixes of the ranking (~2 log2(k) forwards), whichever method ranked. The
+scan and its method go to the run record (this pass's metrics) and
+``extras/sensitivity/sensitivity.json``. The weights pass through unchanged (hard links where the
+filesystem allows).
+
+It computes on ``pipeline.device`` in ``pipeline.torch_dtype``; log-probabilities, KL and Fisher
+scores are accumulated in float32 (float64 sums) whatever the compute dtype.
 """
 
 from __future__ import annotations
@@ -49,6 +63,14 @@ class Fallback(enum.StrEnum):
     auto = "auto"  # keep the most sensitive layers in higher precision until kl_budget is met
 
 
+class Method(enum.StrEnum):
+    fisher = "fisher"  # second-order estimate: a few forward+backward passes, linear in depth
+    exact = "exact"  # the KL of each layer quantized alone: quadratic in depth
+
+
+METHODS = ", ".join(m.value for m in Method)
+
+
 class WeightFormat(enum.StrEnum):
     int4 = "int4"
     int8 = "int8"
@@ -57,14 +79,18 @@ class WeightFormat(enum.StrEnum):
 
 @dataclass
 class SensitivityConfig:
-    """``quant.sensitivity``: the scan's windows (drawn from the calibration text with its seed).
+    """``quant.sensitivity``: the scan's windows (drawn from the calibration text with its seed)
+    and how each layer's KL is obtained (``method``: fisher | exact).
 
     Defaults sized for 2 CPU cores: on the default model (211 layers) 2 x 128 tokens take about
-    a minute; the ranking is stable across seeds for the top layers (see the tests)."""
+    a minute with ``exact``, seconds with ``fisher``."""
 
     enabled: bool = True
     num_samples: int = 2
     seq_len: int = 128
+    # A string, not the enum: a bad value is then our one-line ConfigError, not a Hydra trace.
+    method: str = Method.fisher.value
+    fisher_samples: int = 4  # labels sampled from the fp32 model per window (one backward each)
 
 
 @dataclass
@@ -90,6 +116,12 @@ def validate_fallback(config: Any) -> None:
         raise ConfigError(f"quant.sensitivity.num_samples={sensitivity.num_samples}: at least one window")
     if sensitivity.seq_len < 2:
         raise ConfigError(f"quant.sensitivity.seq_len={sensitivity.seq_len}: must be at least 2")
+    if sensitivity.method not in set(Method):
+        raise ConfigError(f"quant.sensitivity.method={sensitivity.method}: must be one of {METHODS}")
+    if sensitivity.fisher_samples < 1:
+        raise ConfigError(
+            f"quant.sensitivity.fisher_samples={sensitivity.fisher_samples}: must be at least 1"
+        )
     if not (math.isfinite(config.kl_budget) and config.kl_budget > 0):
         raise ConfigError(f"quant.kl_budget={config.kl_budget}: must be a positive number (nats)")
     if config.max_fallback_layers < 1:
@@ -143,9 +175,10 @@ def sensitivity_pass(config: Any, **formats: Any) -> SensitivityPass | None:
 
 
 def _numpy_fake_quant(fmt: Any, x: Any, amax: Any) -> Any:
+    """float32 fake quantization of ``x`` with the graph passes' numpy math, back on its device."""
     import torch
 
-    return torch.from_numpy(fmt.fake_quant(x.detach().float().numpy(), amax))
+    return torch.from_numpy(fmt.fake_quant(x.detach().float().cpu().numpy(), amax)).to(x.device)
 
 
 def layer_quantizer(config: SensitivityPassConfig, weight_only: bool, input_absmax: float) -> LayerQuantizer:
@@ -158,7 +191,7 @@ def layer_quantizer(config: SensitivityPassConfig, weight_only: bool, input_absm
     fmt = INT8 if config.weight == WeightFormat.int8 else FP8_E4M3
 
     def weight(w: Any) -> Any:  # per output channel: the row's max |w|
-        return _numpy_fake_quant(fmt, w, w.detach().abs().amax(dim=1, keepdim=True).numpy())
+        return _numpy_fake_quant(fmt, w, w.detach().float().abs().amax(dim=1, keepdim=True).cpu().numpy())
 
     if not config.activations or weight_only:
         return LayerQuantizer(weight)
@@ -170,9 +203,10 @@ class SensitivityPass(Pass):
 
     Config = SensitivityPassConfig
     name = "sensitivity"
-    version = 1
+    version = 2  # 2: quant.sensitivity.method (fisher by default), placement knobs
     consumes = Kind.TORCH
     produces = Kind.TORCH
+    placement_knobs = ("device", "torch_dtype")
 
     def requires(self, source: Artifact) -> None:
         from passes.int4 import check_group_size, linear_layers, meta_model
@@ -182,9 +216,14 @@ class SensitivityPass(Pass):
         if self.config.weight == WeightFormat.int4:
             check_group_size(self.config.group_size, {n: layers[n].in_features for n in selected})
 
-    def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
+    def probe(
+        self, folder: Path, calibrated_ranges: bool = True
+    ) -> tuple[SensitivityProbe, dict[str, LayerQuantizer]]:
+        """The checkpoint in ``folder`` on this pass's placement with its fp32 reference on the scan
+        windows, and the fake quantizer of every candidate layer. ``calibrated_ranges=False``: int8
+        activations use the windows' own minmax ranges, not the SmoothQuant pass's (which ``folder``
+        then need not hold; ``benchmarks/sensitivity.py`` scans the unsmoothed checkpoint so)."""
         from calibration.datasets import token_windows
-        from calibration.sensitivity import fallback_search, layer_sensitivity
         from passes.int4 import LM_HEAD, linear_layers, untie_lm_head
         from passes.selection import matches
         from pipeline.torch_model import load_causal_lm, load_tokenizer
@@ -196,28 +235,42 @@ class SensitivityPass(Pass):
             seq_len=config.sensitivity.seq_len,
             seed=config.calibration.seed,
         )
-        model = load_causal_lm(source.path)
-        windows = token_windows(load_tokenizer(source.path), windows_config, knob="quant.sensitivity")
+        model = load_causal_lm(folder, placement=self.placement)
+        windows = token_windows(load_tokenizer(folder), windows_config, knob="quant.sensitivity")
         candidates = select_modules(linear_layers(model), config.exclude)
         if LM_HEAD in candidates:
             untie_lm_head(model)  # in memory only: quantizing lm_head must not touch the embedding
-        started = time.perf_counter()
         probe = SensitivityProbe(model, windows)
         ranges = dict(probe.input_absmax)
-        if config.weight == WeightFormat.int8 and config.activations:
+        if config.weight == WeightFormat.int8 and config.activations and calibrated_ranges:
             from passes.smoothquant import read_activations
 
-            ranges.update(read_activations(source.path)["absmax"])  # the ranges the int8 graph uses
+            ranges.update(read_activations(folder)["absmax"])  # the ranges the int8 graph uses
         quantizers = {
             name: layer_quantizer(config, matches(name, config.weight_only), ranges[name])
             for name in candidates
         }
-        scores = layer_sensitivity(probe, quantizers)
+        return probe, quantizers
+
+    def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
+        from calibration.sensitivity import fallback_search, fisher_sensitivity, layer_sensitivity
+
+        config = self.config
+        started = time.perf_counter()
+        probe, quantizers = self.probe(source.path)
+        windows = probe.windows
+        method = Method(config.sensitivity.method)
+        if method == Method.exact:
+            scores = layer_sensitivity(probe, quantizers)
+        else:
+            samples, seed = config.sensitivity.fisher_samples, config.calibration.seed
+            scores = fisher_sensitivity(probe, quantizers, samples=samples, seed=seed)
         broken = [name for name, kl in scores.items() if not math.isfinite(kl)]
         if broken:
             raise CalibrationError(
                 f"quant.sensitivity: the KL of {broken[0]} (and {len(broken) - 1} more) is not finite on "
-                "the scan windows: the checkpoint overflows in fp32; check its weights"
+                f"the scan windows: the checkpoint overflows in {self.placement.torch_dtype}; check its "
+                "weights (or set pipeline.torch_dtype=float32)"
             )
         ranking = list(scores)
         if config.fallback == Fallback.auto:
@@ -235,7 +288,9 @@ class SensitivityPass(Pass):
                 config.kl_budget,
             )
         log.info(
-            "sensitivity: %d layers in %.1f s; most sensitive %s (KL %.3g); kept in higher precision: %s",
+            "sensitivity (%s): %d layers in %.1f s; most sensitive %s (KL %.3g); kept in higher "
+            "precision: %s",
+            method.value,
             len(scores),
             seconds,
             ranking[0] if ranking else "-",
@@ -243,7 +298,8 @@ class SensitivityPass(Pass):
             ", ".join(result.modules) or "none",
         )
 
-        # A list, most sensitive first: JSON objects are written with sorted keys.
+        # A list, most sensitive first: JSON objects are written with sorted keys. With method=fisher
+        # "kl" is the estimated KL (nats per token); the fallback's KL is always measured.
         ranked = [{"module": name, "kl": kl} for name, kl in scores.items()]
         link_tree(source.path, out_dir, skip=(ARTIFACT_FILE,))
         fallback = {
@@ -260,6 +316,8 @@ class SensitivityPass(Pass):
                 for k, v in self.config_dict().items()
                 if k in ("weight", "group_size", "symmetric", "activations")
             },
+            "method": method.value,
+            "fisher_samples": config.sensitivity.fisher_samples if method == Method.fisher else None,
             "tokens": probe.tokens,
             "windows": {"num_samples": len(windows), "seq_len": int(windows.shape[1])},
             "ranking": ranked,
@@ -270,6 +328,7 @@ class SensitivityPass(Pass):
         write_metadata(out_dir, Kind.TORCH, dict(source.metadata))
         return {
             "layers": len(scores),
+            "method": method.value,
             "tokens": probe.tokens,
             "seconds": round(seconds, 1),
             "most_sensitive": ranked[:TOP_IN_RECORD],

@@ -1,5 +1,6 @@
-"""The sensitivity pass in the quant recipes: the scan in the run record, quant.fallback=auto
-keeping the most sensitive layers in fp32 in the final graph, and its bad-input errors."""
+"""The sensitivity pass in the quant recipes: the scan in the run record (Fisher estimate by
+default, the exact scan on request), quant.fallback=auto keeping the most sensitive layers in fp32
+in the final graph, the placement knobs, and its bad-input errors."""
 
 from __future__ import annotations
 
@@ -9,14 +10,18 @@ from pathlib import Path
 
 import onnx
 import pytest
+import torch
 from onnx import TensorProto
+from scipy.stats import spearmanr
 
+from calibration.sensitivity import fisher_sensitivity, layer_sensitivity
 from passes.selection import FALLBACK_FILE
 from passes.sensitivity import SCAN_FILE, SensitivityPass
 from pipeline.artifacts import Artifact, sha256_file
 from pipeline.cache import Cache
 from pipeline.errors import ConfigError
 from pipeline.manager import PassManager
+from pipeline.placement import ResolvedPlacement
 from pipeline.plugins import build_passes
 from tests.pipeline.recipe import compose_recipe
 from tests.pipeline.test_main import run_pipeline
@@ -50,6 +55,11 @@ def test_every_recipe_scans_before_it_quantizes(recipe: str, names: list[str]) -
         (["quant.kl_budget=0"], "quant.kl_budget=0.0: must be a positive number"),
         (["quant.max_fallback_layers=0"], "quant.max_fallback_layers=0: must be at least 1"),
         (["quant.sensitivity.num_samples=0"], "quant.sensitivity.num_samples=0: at least one window"),
+        (
+            ["quant.sensitivity.method=taylor"],
+            "quant.sensitivity.method=taylor: must be one of fisher, exact",
+        ),
+        (["quant.sensitivity.fisher_samples=0"], "quant.sensitivity.fisher_samples=0: must be at least 1"),
         (
             ["quant.fallback=auto", "quant.sensitivity.enabled=false"],
             "quant.fallback=auto needs the sensitivity scan",
@@ -121,3 +131,73 @@ def test_cli_bad_budget_is_one_line_and_caches_nothing(tiny_llama: Path, tmp_pat
     assert len(lines) == 1 and lines[0].startswith("error: quant.kl_budget=-1.0: must be a positive number")
     cache = tmp_path / "cache"
     assert not cache.exists() or not any(p.is_dir() and len(p.name) == 64 for p in cache.iterdir())
+
+
+SCAN = {"weight": "int4", "group_size": 32}
+WINDOWS = {"num_samples": 2, "seq_len": 32}
+
+
+def scan_kl(folder: Path) -> dict[str, float]:
+    return {e["module"]: e["kl"] for e in json.loads((folder / SCAN_FILE).read_text())["ranking"]}
+
+
+def test_exact_method_is_the_restart_scan(tiny_source: Artifact, tmp_path: Path) -> None:
+    scan = SensitivityPass(**SCAN, sensitivity={**WINDOWS, "method": "exact"})
+    metrics = scan.run(tiny_source, tmp_path)
+    assert metrics["method"] == "exact"
+    assert json.loads((tmp_path / SCAN_FILE).read_text())["method"] == "exact"
+    probe, quantizers = scan.probe(tiny_source.path)
+    assert scan_kl(tmp_path) == layer_sensitivity(probe, quantizers, progress=False)
+
+
+def test_fisher_is_the_default_and_fallback_auto_keeps_the_budget(
+    tiny_source: Artifact, tmp_path: Path
+) -> None:
+    probe, quantizers = SensitivityPass(**SCAN, sensitivity=WINDOWS).probe(tiny_source.path)
+    budget = probe.kl(quantizers) / 2  # every layer quantized misses it: some must stay fp32
+    scan = SensitivityPass(
+        **SCAN, sensitivity=WINDOWS, fallback="auto", kl_budget=budget, max_fallback_layers=15
+    )
+    metrics = scan.run(tiny_source, tmp_path)
+    assert metrics["method"] == "fisher" and SensitivityPass.version >= 2
+    assert scan_kl(tmp_path) == fisher_sensitivity(probe, quantizers, samples=4, progress=False)
+    fallback = json.loads((tmp_path / FALLBACK_FILE).read_text())
+    assert fallback["budget_met"] and fallback["kl"] <= budget and 0 < len(fallback["modules"]) < 15
+    assert fallback["modules"] == [e["module"] for e in metrics["ranking"][: len(fallback["modules"])]]
+    assert probe.kl({n: q for n, q in quantizers.items() if n not in fallback["modules"]}) <= budget
+
+
+def test_the_pass_computes_on_its_placement(tiny_source: Artifact, tmp_path: Path) -> None:
+    """pipeline.torch_dtype=bfloat16 reaches the model and the scan; scores stay float32-accumulated."""
+    assert SensitivityPass.placement_knobs == ("device", "torch_dtype")
+    bf16 = ResolvedPlacement("cpu", "bfloat16")
+    scan = SensitivityPass(**SCAN, sensitivity=WINDOWS)
+    scan.placement = bf16
+    probe, quantizers = scan.probe(tiny_source.path)
+    seen: set[torch.dtype] = set()
+    layer = probe.linears["model.layers.1.mlp.down_proj"]
+    handle = layer.register_forward_pre_hook(lambda _m, args: seen.add(args[0].dtype))
+    try:
+        fisher_sensitivity(probe, quantizers, samples=1, progress=False)
+    finally:
+        handle.remove()
+    assert seen == {torch.bfloat16}
+
+    for name in ("bf16", "fp32"):
+        (tmp_path / name).mkdir()
+    scan.run(tiny_source, tmp_path / "bf16")
+    SensitivityPass(**SCAN, sensitivity=WINDOWS).run(tiny_source, tmp_path / "fp32")
+    low, full = scan_kl(tmp_path / "bf16"), scan_kl(tmp_path / "fp32")
+    names = list(full)
+    assert low != full  # the placement was honoured: bf16 rounds differently
+    assert spearmanr([full[n] for n in names], [low[n] for n in names]).statistic > 0.8
+    assert next(iter(low)) == names[0]
+
+
+def test_cli_bad_method_is_one_line(tiny_llama: Path, tmp_path: Path) -> None:
+    result = run_pipeline(
+        tiny_llama, tmp_path, "run", "bench=none", *RECIPES["int8"], "quant.sensitivity.method=taylor"
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == ["error: quant.sensitivity.method=taylor: must be one of fisher, exact"]
