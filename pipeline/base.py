@@ -11,11 +11,14 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import PassError
 from pipeline.placement import CPU_FLOAT32, Placement, ResolvedPlacement
+
+if TYPE_CHECKING:
+    from pipeline.memory import ModelShapes
 
 __all__ = ["Pass", "PassError", "Recipe"]
 
@@ -46,6 +49,12 @@ class Pass(ABC):
     # time, streamed from the safetensors), "graph" (an ONNX graph with external data memory-mapped),
     # "none" (no weights).
     memory_profile: ClassVar[str] = "whole"
+    # The preflight's estimate of this pass's peak memory in bytes (pipeline.memory.preflight sets
+    # it; the manager records it next to the measured peak). None: not estimated.
+    memory_estimate: int | None = None
+    # The config node the pass was built from ("quant", "prune", ...; set by
+    # ``pipeline.plugins.build_passes``), so messages name its knobs where the user sets them.
+    config_group: str | None = None
     # What the recipe asks for (set by ``pipeline.plugins.build_passes``) and what it resolves
     # to on this machine (set by ``pipeline.manager.validate`` for passes with placement knobs).
     # Outside the manager: the CPU in float32.
@@ -68,6 +77,12 @@ class Pass(ABC):
         """Raise a :class:`~pipeline.errors.PipelineError` if this machine cannot run the pass
         (no GPU, no TensorRT, ...). The manager asks every pass before the first one runs, so a
         recipe ending in a GPU build fails at once, not after its long passes. Default: accept."""
+
+    def estimate_memory(self, shapes: ModelShapes) -> int | None:
+        """This pass's peak memory in bytes for a checkpoint of ``shapes`` (host memory, at
+        ``self.placement``), for a pass that knows better than the generic estimate from
+        :attr:`memory_profile` and its calibration config (``pipeline.memory``). Default: None."""
+        return None
 
     def requires(self, source: Artifact) -> None:  # noqa: B027 - optional hook
         """Raise :class:`PassError` if ``source`` cannot be processed. Default: accept."""

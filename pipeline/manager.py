@@ -17,6 +17,7 @@ from pipeline.artifacts import Artifact, Kind
 from pipeline.base import Pass
 from pipeline.cache import Cache, CacheEntry, cache_key
 from pipeline.errors import ConfigError
+from pipeline.memory import ResourceMeter, empty_resources
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,10 @@ class PassRecord:
     # The resolved pipeline.device / pipeline.torch_dtype of a pass that honours them (else {}).
     placement: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
+    # What the pass cost when it ran (for a cache hit: the run that computed it): cpu_seconds,
+    # peak_rss_bytes, gpu_peak_bytes (CUDA only) and the preflight's estimate_bytes; None where
+    # not measured (pipeline/memory.py).
+    resources: dict[str, Any] = field(default_factory=empty_resources)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,9 +105,11 @@ class PassManager:
         start = time.perf_counter()
         with self.cache.stage(key, f"the output of pass '{step.name}'") as staging:
             out_dir = staging / "output"
-            metrics = dict(step.run(source, out_dir) or {})
-            produced = Artifact.from_dir(step.produces, out_dir)
-            metrics.update(step.ensures(source, produced) or {})
+            device = step.placement.torch_device if step.placement.device_type == "cuda" else None
+            with ResourceMeter(device, step.memory_estimate) as meter:
+                metrics = dict(step.run(source, out_dir) or {})
+                produced = Artifact.from_dir(step.produces, out_dir)
+                metrics.update(step.ensures(source, produced) or {})
             seconds = round(time.perf_counter() - start, 3)
             entry = self.cache.commit(
                 key,
@@ -116,10 +123,20 @@ class PassManager:
                     "input_digest": source.digest,
                     "output_digest": produced.digest,
                     "seconds": seconds,
+                    "resources": meter.resources,
                     "metrics": metrics,
                 },
             )
-        log.info("pass %d/%d %s: done in %.1f s", index, len(self.passes), step.name, seconds)
+        peak = meter.resources["peak_rss_bytes"]
+        log.info(
+            "pass %d/%d %s: done in %.1f s (CPU %.1f s, peak RSS %s)",
+            index,
+            len(self.passes),
+            step.name,
+            seconds,
+            meter.resources["cpu_seconds"],
+            "unknown" if peak is None else f"{peak / 2**30:.2f} GiB",
+        )
         return entry.artifact, _record(step, entry, cache_hit=False)
 
 
@@ -138,4 +155,5 @@ def _record(step: Pass, entry: CacheEntry, cache_hit: bool) -> PassRecord:
         cache_key=entry.key,
         metrics=stored.get("metrics", {}),
         placement=stored.get("placement", {}),
+        resources={**empty_resources(), **stored.get("resources", {})},
     )

@@ -1,7 +1,9 @@
 """The run record (``manifest.json``): how an engine was made and how fast it is.
 
 Schema version 1: ``source``, ``recipe`` (resolved config) and ``overrides``, ``passes``
-(name, version, config, input/output digests, seconds, cache hit, metrics), ``engine`` (files
+(name, version, config, input/output digests, seconds, cache hit, metrics, and ``resources``: CPU
+seconds, peak RSS and GPU bytes measured while the pass ran, next to the memory preflight's
+estimate; for a cache hit those of the run that computed it), ``engine`` (files
 with sha256 and size), ``libraries``, ``host``, ``benchmark``, ``quality`` (perplexity, KL and
 top-1 agreement vs the reference engine on held-out text), ``gate``, ``code`` (the package
 version, and the git commit and dirty flag when run from a checkout; null when not).

@@ -113,6 +113,8 @@ def build_passes(cfg: DictConfig, source_kind: Kind = Kind.TORCH) -> list[Pass]:
         built = [(where, build_pass(where, node)) for where, node in nodes]
         for where, step in built:
             expanded = step.passes() if isinstance(step, Recipe) else [step]
+            for one in expanded:
+                one.config_group = where  # where its knobs live, for messages (pipeline/memory.py)
             entries.extend((where, one) for one in expanded)
     passes = arrange(entries, source_kind)
     request = Placement(str(cfg.pipeline.get("device", "auto")), str(cfg.pipeline.get("torch_dtype", "auto")))

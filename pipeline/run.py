@@ -30,6 +30,7 @@ from pipeline.cache import Cache, library_versions
 from pipeline.config import BenchConfig, EvalConfig, ModelConfig, QualityConfig
 from pipeline.manager import PassManager, validate
 from pipeline.manifest import MANIFEST_FILE, build_manifest, write_manifest
+from pipeline.memory import preflight
 from pipeline.plugins import build_passes
 from pipeline.serving_bench import plot_serving
 from pipeline.sources import resolve_source
@@ -142,11 +143,16 @@ def run_pipeline(
     max_age_s = staging_max_age_s(cfg)
     source = resolve_source(model_cfg, Path(cfg.pipeline.models_dir), max_age_s)
     log.info("source %s (%s)", source.path, source.digest[:12])
+    bench_cfg = OmegaConf.to_object(cfg.bench)
+    assert isinstance(bench_cfg, BenchConfig)
+    # Before the first pass: refuse a recipe whose estimated peak memory exceeds what is available.
+    bench_shape = (bench_cfg.prompt_lengths, bench_cfg.decode_tokens, bench_cfg.batch_size)
+    preflight(
+        passes, source.path, cfg.pipeline.get("max_memory_gib"), bench_shape if bench_cfg.enabled else None
+    )
 
     remove_abandoned_runs(run_dir, max_age_s)
     scratch = contextlib.ExitStack()  # pipeline.cache=false: a throwaway cache in the run folder
-    bench_cfg = OmegaConf.to_object(cfg.bench)
-    assert isinstance(bench_cfg, BenchConfig)
     benchmark = None
     quality_cfg = OmegaConf.to_object(cfg.quality)
     assert isinstance(quality_cfg, QualityConfig)

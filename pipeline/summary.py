@@ -19,7 +19,7 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
         if not console.is_terminal:  # logs and CI: do not wrap tables at 80 columns
             console.width = 120
     passes = Table(title="Passes", title_justify="left")
-    for column in ("#", "pass", "version", "cache", "seconds", "output", "notes"):
+    for column in ("#", "pass", "version", "cache", "seconds", "peak RSS", "estimate", "output", "notes"):
         passes.add_column(column)
     for index, record in enumerate(manifest["passes"], start=1):
         notes = ""
@@ -43,6 +43,7 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
             str(record["version"]),
             "hit" if record["cache_hit"] else "miss",
             f"{record['seconds']:.1f}",
+            *_memory_cells(record.get("resources") or {}),
             _short(record["output_digest"]),
             notes,
         )
@@ -128,6 +129,19 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
     console.print(f"engine  {run_dir / engine['path']}  ({engine['target']}, {size:.0f} MiB)")
     console.print(f"record  {run_dir / 'manifest.json'}")
     console.print(f"gate    {manifest['gate']['verdict']} ({manifest['gate']['reason']})")
+
+
+def _gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f} GiB"
+
+
+def _memory_cells(resources: dict[str, Any]) -> tuple[str, str]:
+    """The measured peak RSS of a pass (plus its GPU peak on CUDA) and the preflight's estimate
+    (for a cache hit: both from the run that computed it)."""
+    peak = _gib(resources.get("peak_rss_bytes"))
+    if resources.get("gpu_peak_bytes") is not None:
+        peak += f" (GPU {_gib(resources['gpu_peak_bytes'])})"
+    return peak, _gib(resources.get("estimate_bytes"))
 
 
 def serving_table(serving: dict[str, Any]) -> Table:

@@ -68,6 +68,14 @@ def test_run_writes_engine_and_record(first_run: tuple[Path, dict]) -> None:
     assert manifest["recipe"]["export"]["_target_"] == "passes.export.ExportPass"
 
 
+def test_run_records_resources_per_pass(first_run: tuple[Path, dict]) -> None:
+    for record in first_run[1]["passes"]:
+        resources = record["resources"]
+        assert set(resources) == {"cpu_seconds", "peak_rss_bytes", "gpu_peak_bytes", "estimate_bytes"}
+        assert resources["peak_rss_bytes"] > 0 and resources["cpu_seconds"] >= 0
+        assert resources["estimate_bytes"] > 0  # the memory preflight's, from the tiny config.json
+
+
 def test_run_records_quality_on_held_out_text(first_run: tuple[Path, dict]) -> None:
     quality, engine_digest = first_run[1]["quality"], first_run[1]["engine"]["digest"]
     assert quality["same_engine"] and quality["engine"] == quality["reference"] == engine_digest
