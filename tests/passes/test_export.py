@@ -158,7 +158,7 @@ def export_of_the_loaded_model(folder: Path) -> onnx.ModelProto:
 
 
 def assert_same_graph(reference: onnx.ModelProto, folder: Path) -> None:
-    candidate = onnx.load(str(folder / MODEL_FILE))
+    candidate = load_proto(folder)  # the folder may be hard-linked (tiny_engine links tiny_graph)
     assert list(candidate.graph.node) == list(reference.graph.node)  # ops, names, inputs, attributes
     assert list(candidate.graph.input) == list(reference.graph.input)
     assert list(candidate.graph.output) == list(reference.graph.output)
