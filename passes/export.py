@@ -53,7 +53,7 @@ import json
 import logging
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -479,30 +479,15 @@ def name_linear_weights(graph: Any) -> dict[str, str]:
     return renamed
 
 
-def _tensors(graph: Any) -> Iterator[Any]:
-    """Every TensorProto of an ONNX graph: initializers and those in node attributes, subgraphs too."""
-    yield from graph.initializer
-    for sparse in graph.sparse_initializer:
-        yield sparse.values
-        yield sparse.indices
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("t"):
-                yield attribute.t
-            yield from attribute.tensors
-            if attribute.HasField("g"):
-                yield from _tensors(attribute.g)
-            for subgraph in attribute.graphs:
-                yield from _tensors(subgraph)
-
-
 def external_files(model_path: Path) -> set[str]:
     """The external-data files an ONNX model references (``location`` entries), without loading them."""
     import onnx
 
+    from pipeline.graph_io import proto_tensors
+
     model = onnx.load(str(model_path), load_external_data=False)
     files = set()
-    for tensor in _tensors(model.graph):
+    for tensor in proto_tensors(model.graph):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             files.update(entry.value for entry in tensor.external_data if entry.key == "location")
     return files

@@ -131,6 +131,20 @@ def linear_modules(model: Any) -> dict[str, Any]:
     return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
+def absmax_hook(stats: dict[str, Any], name: str) -> Any:
+    """A forward pre-hook folding the per-channel ``max|X_j|`` of a linear layer's input into
+    ``stats[name]`` (float32). The max of bf16/fp16 values is exact, so the cast comes after the
+    reduction; torch.maximum propagates NaN, so a NaN/inf in any batch stays visible to the checks."""
+    import torch
+
+    def record(_module: Any, args: tuple[Any, ...]) -> None:
+        x = args[0].detach()
+        current = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+        stats[name] = current if name not in stats else torch.maximum(stats[name], current)
+
+    return record
+
+
 def collect_channel_absmax(
     model: Any, windows: np.ndarray, batch_size: int = 8, modules: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], int]:
@@ -143,13 +157,7 @@ def collect_channel_absmax(
     stats: dict[str, Any] = {}
 
     def hook(name: str) -> Any:
-        def record(_module: Any, args: tuple[Any, ...]) -> None:
-            x = args[0].detach()
-            current = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
-            # torch.maximum propagates NaN, so a NaN/inf in any batch stays visible to the check below.
-            stats[name] = current if name not in stats else torch.maximum(stats[name], current)
-
-        return record
+        return absmax_hook(stats, name)
 
     # The head's input is the decoder's last hidden state: record it directly instead of
     # computing [batch, seq, vocab] logits (a fifth of the forward's work on the default model).
@@ -348,13 +356,7 @@ def calibrate_block(
     stats: dict[str, Any] = {}
 
     def hook(name: str) -> Any:
-        def record(_module: Any, args: tuple[Any, ...]) -> None:
-            x = args[0].detach()
-            # The max of bf16/fp16 values is exact, so cast after the reduction; float32 from here on.
-            current = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
-            stats[name] = current if name not in stats else torch.maximum(stats[name], current)
-
-        return record
+        return absmax_hook(stats, name)
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
     outputs = []

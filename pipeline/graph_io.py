@@ -145,7 +145,7 @@ def load_proto(folder: Path, name: str | None = None) -> Any:
     root = os.path.realpath(folder)
     handles: dict[str, Any] = {}
     try:
-        for tensor in _proto_tensors(proto.graph):
+        for tensor in proto_tensors(proto.graph):
             if tensor.data_location != onnx.TensorProto.EXTERNAL:
                 continue
             info = {entry.key: entry.value for entry in tensor.external_data}
@@ -166,17 +166,22 @@ def load_proto(folder: Path, name: str | None = None) -> Any:
     return proto
 
 
-def _proto_tensors(graph: Any) -> Iterator[Any]:
+def proto_tensors(graph: Any) -> Iterator[Any]:
+    """Every TensorProto of an ONNX graph: initializers (sparse ones too) and those in node
+    attributes, subgraphs included."""
     yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
     for node in graph.node:
         for attr in node.attribute:
             if attr.HasField("t"):
                 yield attr.t
             yield from attr.tensors
             if attr.HasField("g"):
-                yield from _proto_tensors(attr.g)
+                yield from proto_tensors(attr.g)
             for sub in attr.graphs:
-                yield from _proto_tensors(sub)
+                yield from proto_tensors(sub)
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,7 +221,7 @@ def _proto_refs(path: Path) -> Iterator[tuple[str, int, int]]:
     import onnx
 
     proto = onnx.load(str(path), load_external_data=False)
-    for tensor in _proto_tensors(proto.graph):
+    for tensor in proto_tensors(proto.graph):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
         info = {entry.key: entry.value for entry in tensor.external_data}
