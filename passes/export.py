@@ -561,7 +561,7 @@ def check_parity(torch_dir: Path, graph_dir: Path, prompt: str) -> dict[str, Any
 def _ort_logits(graph_dir: Path, ids: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
     """ONNX Runtime's prefill logits on ``ids``, its decode logits for the greedy next token, and
     that token; the session is released on return."""
-    onnx_model = OrtModel(graph_dir / MODEL_FILE, graph_io(graph_dir))
+    onnx_model = OrtModel(graph_dir / MODEL_FILE, graph_io(graph_dir), prepack=False)  # weights once
     prompt_ids = np.array([ids], dtype=np.int64)
     mask = np.ones_like(prompt_ids)
     positions = np.arange(len(ids), dtype=np.int64)[None]

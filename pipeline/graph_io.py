@@ -511,7 +511,9 @@ def _parity_model(folder: Path, optimization: str) -> Any:
     capacity = int(metadata.get("kv_cache", {}).get("capacity", 0))
     if capacity and metadata.get("fusion"):
         io = dataclasses.replace(io, kv_layout="shared", kv_capacity=capacity)
-    return OrtModel(folder / model_file(folder), io, optimization=optimization, capacity=capacity)
+    return OrtModel(
+        folder / model_file(folder), io, optimization=optimization, capacity=capacity, prepack=False
+    )
 
 
 def prompt_ids(folder: Path, prompt: str | Sequence[int], vocab: int) -> np.ndarray:
