@@ -119,25 +119,38 @@ class SensitivityProbe:
         return int(found.group(1)) if found else len(self.blocks)
 
     def kl(self, quantizers: dict[str, LayerQuantizer]) -> float:
-        """Mean next-token KL(fp32 || quantized) with the given layers quantized together."""
+        """Mean next-token KL(fp32 || quantized) with the given layers quantized together.
+
+        Block-major: each block's layers are quantized, every batch is pushed through the block,
+        and its weights are restored before the next block, so at most one block's quantized
+        copies exist beside the fp32 weights (quantizing every layer at once held a second copy
+        of the model: 4.20 GiB peak on the 362M shape for 1.35 GiB of weights). Same operations
+        per batch as a whole-model forward, so the same numbers."""
         import torch
 
         if not quantizers:
             return 0.0
-        start = min(self.block_of(name) for name in quantizers)
-        total = 0.0
-        with self._quantized(quantizers), torch.inference_mode():
-            for batch, reference in enumerate(self._reference):
-                if start < len(self.blocks):
-                    hidden, _ = self._inputs[start][batch]
-                    for block, inputs in zip(self.blocks[start:], self._inputs[start:], strict=True):
-                        out = block(hidden, **inputs[batch][1])
-                        hidden = out[0] if isinstance(out, tuple) else out
-                else:
-                    hidden = self._final[batch]
-                logits = self.model.lm_head(self.model.model.norm(hidden))
-                candidate = torch.log_softmax(logits.float(), dim=-1)
-                total += float((reference.exp() * (reference - candidate)).double().sum())
+        by_block: dict[int, dict[str, LayerQuantizer]] = {}
+        for name, quantizer in quantizers.items():
+            by_block.setdefault(self.block_of(name), {})[name] = quantizer
+        start = min(by_block)
+        batches = range(len(self._reference))
+        with torch.inference_mode():
+            if start < len(self.blocks):
+                hidden = [self._inputs[start][batch][0] for batch in batches]
+                for index in range(start, len(self.blocks)):
+                    with self._quantized(by_block.get(index, {})):
+                        for batch in batches:
+                            out = self.blocks[index](hidden[batch], **self._inputs[index][batch][1])
+                            hidden[batch] = out[0] if isinstance(out, tuple) else out
+            else:
+                hidden = list(self._final)
+            total = 0.0
+            with self._quantized(by_block.get(len(self.blocks), {})):
+                for batch, reference in enumerate(self._reference):
+                    logits = self.model.lm_head(self.model.model.norm(hidden[batch]))
+                    candidate = torch.log_softmax(logits.float(), dim=-1)
+                    total += float((reference.exp() * (reference - candidate)).double().sum())
         return max(total / self.tokens, 0.0)  # KL >= 0; float32 rounding can dip below
 
     @contextlib.contextmanager

@@ -277,7 +277,9 @@ class OrtCpuBuildPass(Pass):
 
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
         check_data_files(result.path, self.name)
-        engine = Engine(result.path)
+        # A check, not a server: the weights stay memory-mapped (no MLAS prepacking, which would
+        # copy them), so a 3B fp32 engine is not held twice.
+        engine = Engine(result.path, prepack=False)
         session = engine.model.session
         active = session.get_providers()
         if active[0] != self.providers()[0]:  # ONNX Runtime falls back quietly when an EP fails

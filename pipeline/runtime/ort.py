@@ -228,7 +228,9 @@ class Engine:
     decoding and batches of several prompts always run the target alone.
     """
 
-    def __init__(self, folder: Path, threads: int = 0, speculative: bool = True) -> None:
+    def __init__(
+        self, folder: Path, threads: int = 0, speculative: bool = True, prepack: bool = True
+    ) -> None:
         self.folder = Path(folder)
         spec_path = self.folder / ENGINE_FILE
         if not spec_path.is_file():
@@ -268,6 +270,7 @@ class Engine:
                 providers=providers,
                 capacity=self.max_length,
                 provider_options=resolve_provider_options(self.spec.get("provider_options")),
+                prepack=prepack,
             )
         self._tokenizer: Any = None
         tokens = self.spec.get("tokens", {})
