@@ -137,6 +137,17 @@ class Cache:
         if folder.exists() and not self._working_on(key, own):
             shutil.rmtree(folder, ignore_errors=True)
 
+    def recorded_output(self, key: str) -> str | None:
+        """The output digest ``key``'s entry records, read without hashing its files (a
+        prediction of :meth:`lookup`, which verifies them): None when there is no readable entry."""
+        if not self.enabled:
+            return None
+        record, problem = read_record(self.root / key / ENTRY_FILE)
+        if record is None or problem is not None or _entry_problem(record) is not None:
+            return None
+        digest = record.get("output_digest")
+        return digest if isinstance(digest, str) else None
+
     def lookup(self, key: str, kind: Kind) -> CacheEntry | None:
         """Return the verified entry for ``key``; an unreadable, malformed or modified entry is
         evicted and ignored (the caller recomputes it)."""

@@ -69,6 +69,15 @@ def validate(passes: list[Pass], source_kind: Kind, final_kind: Kind | None = Ki
         step.preflight()
 
 
+def _key(step: Pass, input_digest: str) -> str:
+    """The cache key of ``step`` on an input of ``input_digest``: the placement enters it only
+    for a pass whose output depends on it."""
+    keyed = step.config_dict()
+    if placement_of(step):
+        keyed["_placement"] = step.placement.key(step.placement_knobs)
+    return cache_key(input_digest, step.name, step.version, keyed)
+
+
 def placement_of(step: Pass) -> dict[str, str]:
     """The placement a pass computed with, as the record shows it (only the knobs it honours)."""
     resolved = step.placement.to_dict()
@@ -89,11 +98,22 @@ class PassManager:
             records.append(record)
         return current, records
 
+    def cached_prefix(self, source: Artifact) -> int:
+        """How many leading passes the cache is expected to answer, from the entries' recorded
+        digests (no file is hashed: :meth:`run` still verifies each hit). The memory preflight
+        does not size a pass that will not run."""
+        digest = source.digest
+        for count, step in enumerate(self.passes):
+            recorded = self.cache.recorded_output(_key(step, digest))
+            if recorded is None:
+                return count
+            digest = recorded
+        return len(self.passes)
+
     def _run_one(self, index: int, step: Pass, source: Artifact) -> tuple[Artifact, PassRecord]:
         config = step.config_dict()
         placement = placement_of(step)
-        keyed = {**config, "_placement": step.placement.key(step.placement_knobs)} if placement else config
-        key = cache_key(source.digest, step.name, step.version, keyed)
+        key = _key(step, source.digest)
         entry = self.cache.lookup(key, step.produces)
         if entry is not None:
             log.info("pass %d/%d %s: cache hit (%s)", index, len(self.passes), step.name, key[:12])

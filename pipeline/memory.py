@@ -350,18 +350,20 @@ def preflight(
     source: Path,
     max_memory_gib: float | None = None,
     bench: tuple[list[int], int, int] | None = None,
+    cached: int = 0,
 ) -> list[Estimate]:
     """Estimate each pass's peak memory for the checkpoint in ``source``, log the table, record
     each estimate on its pass (``memory_estimate``, for the run record) and raise
     :class:`InsufficientMemoryError` (one line) when the largest exceeds the memory available.
     ``bench``: (prompt lengths, decode tokens, batch) of the benchmark that follows, if any.
+    ``cached``: how many leading passes the cache answers (they do not run: logged, not sized).
     Passes run one after another, so the run's peak is the largest pass's."""
     shapes = model_shapes(source)
     if shapes is None:
         log.info("memory preflight: skipped (no Llama config.json in %s to size the passes)", source)
         return []
-    estimates = [estimate_pass(step, shapes, index) for index, step in enumerate(passes, start=1)]
-    for step, estimate in zip(passes, estimates, strict=True):
+    estimates = [estimate_pass(step, shapes, index) for index, step in enumerate(passes, start=1)][cached:]
+    for step, estimate in zip(passes[cached:], estimates, strict=True):
         step.memory_estimate = estimate.host_bytes
     rows = list(estimates)
     if bench is not None:
@@ -374,6 +376,8 @@ def preflight(
         _gib(limit),
         limit_source,
     )
+    for index, step in enumerate(passes[:cached], start=1):
+        log.info("  %-2s %-22s cached: not run", index, step.name)
     for row in rows:
         parts = ", ".join(f"{name} {value / GIB:.2f}" for name, value in row.parts.items())
         gpu = f" + GPU {_gib(row.gpu_bytes)}" if row.gpu_bytes is not None else ""
@@ -401,7 +405,7 @@ def preflight(
                 f"{_gib(limit)} available ({limit_source}): {worst.knob}, or raise pipeline.max_memory_gib "
                 "if the estimate is too cautious"
             )
-    _check_gpu(passes, estimates)
+    _check_gpu(passes[cached:], estimates)
     return estimates
 
 

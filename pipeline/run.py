@@ -147,8 +147,13 @@ def run_pipeline(
     assert isinstance(bench_cfg, BenchConfig)
     # Before the first pass: refuse a recipe whose estimated peak memory exceeds what is available.
     bench_shape = (bench_cfg.prompt_lengths, bench_cfg.decode_tokens, bench_cfg.batch_size)
+    shared_cache = Cache(Path(cfg.pipeline.cache_dir), max_age_s=max_age_s) if cfg.pipeline.cache else None
     preflight(
-        passes, source.path, cfg.pipeline.get("max_memory_gib"), bench_shape if bench_cfg.enabled else None
+        passes,
+        source.path,
+        cfg.pipeline.get("max_memory_gib"),
+        bench_shape if bench_cfg.enabled else None,
+        cached=PassManager(passes, shared_cache).cached_prefix(source) if shared_cache else 0,
     )
 
     remove_abandoned_runs(run_dir, max_age_s)
@@ -161,8 +166,8 @@ def run_pipeline(
     assert isinstance(eval_cfg, EvalConfig)
     gate = None
     try:
-        if cfg.pipeline.cache:
-            cache = Cache(Path(cfg.pipeline.cache_dir), max_age_s=max_age_s)
+        if shared_cache is not None:
+            cache = shared_cache
         else:  # lock-owned: removed on any exit, or by the next run after a SIGKILL
             cache = Cache(scratch.enter_context(owned_folder(run_dir / unique_name(".work"))), enabled=False)
         engine, records = PassManager(passes, cache).run(source)

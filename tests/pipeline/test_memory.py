@@ -133,6 +133,27 @@ def test_available_memory_is_the_knob_else_meminfo() -> None:
     assert available > 0 and source in ("MemAvailable", "the cgroup's memory.max")
 
 
+def test_passes_the_cache_answers_are_not_sized_or_refused(
+    tiny_source: Artifact, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = Cache(tmp_path / "cache")
+    first, second = AppendPass(text="a"), TorchPass(text="b")
+    manager = PassManager([first, second, ToGraphPass(), ToEnginePass()], cache)
+    assert manager.cached_prefix(tiny_source) == 0
+    PassManager([first, ToGraphPass(), ToEnginePass()], cache).run(tiny_source)
+    assert manager.cached_prefix(tiny_source) == 1
+    # Neither fits in 1 MiB: with the first cached, the refusal names the second, the one that runs.
+    with pytest.raises(InsufficientMemoryError, match="pass #2 'torch-pass'"):
+        preflight([first, second], tiny_source.path, max_memory_gib=0.001, cached=1)
+    manager.run(tiny_source)
+    assert manager.cached_prefix(tiny_source) == 4
+    with caplog.at_level(logging.INFO, logger="pipeline.memory"):
+        assert preflight([first, second], tiny_source.path, max_memory_gib=0.001, cached=2) == []
+    assert sum("cached: not run" in r.getMessage() for r in caplog.records) == 2
+    assert PassManager([AppendPass(text="c")], cache).cached_prefix(tiny_source) == 0  # another config
+    assert PassManager([first], Cache(tmp_path / "off", enabled=False)).cached_prefix(tiny_source) == 0
+
+
 def test_source_without_config_is_not_refused(source: Artifact) -> None:
     assert preflight([AppendPass(), ToGraphPass(), ToEnginePass()], source.path, max_memory_gib=0.001) == []
 
