@@ -215,6 +215,26 @@ class StreamedCheckpoint:
         module.load_state_dict(state, strict=True, assign=True)
         return module
 
+    def load_model(self) -> Any:
+        """The whole model, materialized module by module on the placement's device and dtype,
+        in eval mode. Each module's read maps its shard only while it reads, so the peak is the
+        weights plus one module: ``from_pretrained`` keeps the checkpoint's pages mapped beside
+        the converted weights (a 1.17B bf16 checkpoint loaded in fp32: 6.93 GiB peak for
+        4.36 GiB of weights). A tied head shares the embedding, as ``from_pretrained`` ties it."""
+        prefixes = [EMBEDDINGS, *map(self.layer_prefix, range(self.num_layers)), FINAL_NORM]
+        for prefix in prefixes:
+            self.materialize(prefix)
+        if self.output_tied:
+            self.model.lm_head.weight = self.model.model.embed_tokens.weight
+        else:
+            self.materialize(LM_HEAD)
+        left = [name for name, tensor in self.model.state_dict(keep_vars=True).items() if tensor.is_meta]
+        if left:
+            raise SourceError(
+                f"{self.folder}: the checkpoint leaves {left[0]} unset: re-save or re-download it"
+            )
+        return self.model.eval()
+
     def release(self, prefix: str) -> None:
         """Send module ``prefix`` back to ``meta`` (its memory is freed and handed back to the OS:
         ``pipeline.allocator.return_freed_memory``)."""

@@ -60,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from calibration.streaming import StreamedCheckpoint
 from pipeline.allocator import large_allocations_unmapped
 from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, write_metadata
 from pipeline.base import Pass
@@ -67,7 +68,7 @@ from pipeline.config import register_pass
 from pipeline.errors import PassError
 from pipeline.progress import phases
 from pipeline.runtime.ort import IOSpec, OrtModel, graph_io
-from pipeline.torch_model import load_causal_lm, load_tokenizer
+from pipeline.torch_model import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -542,7 +543,7 @@ def check_parity(torch_dir: Path, graph_dir: Path, prompt: str) -> dict[str, Any
     ids = load_tokenizer(torch_dir)(prompt)["input_ids"]
     with large_allocations_unmapped():  # what ONNX Runtime frees goes back before torch loads
         ort_prefill, ort_decode, next_token = _ort_logits(graph_dir, ids)
-    model = load_causal_lm(torch_dir)
+    model = StreamedCheckpoint(torch_dir).load_model()  # module by module: the file not mapped beside
     with torch.no_grad():
         full = torch.tensor([[*ids, next_token]])
         reference = model(full).logits[0].numpy()

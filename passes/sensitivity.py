@@ -224,9 +224,10 @@ class SensitivityPass(Pass):
         activations use the windows' own minmax ranges, not the SmoothQuant pass's (which ``folder``
         then need not hold; ``benchmarks/sensitivity.py`` scans the unsmoothed checkpoint so)."""
         from calibration.datasets import token_windows
+        from calibration.streaming import StreamedCheckpoint
         from passes.int4 import LM_HEAD, linear_layers, untie_lm_head
         from passes.selection import matches
-        from pipeline.torch_model import load_causal_lm, load_tokenizer
+        from pipeline.torch_model import load_tokenizer
 
         config = self.config
         windows_config = CalibrationConfig(
@@ -235,7 +236,7 @@ class SensitivityPass(Pass):
             seq_len=config.sensitivity.seq_len,
             seed=config.calibration.seed,
         )
-        model = load_causal_lm(folder, placement=self.placement)
+        model = StreamedCheckpoint(folder, self.placement).load_model()  # the weights, not the file too
         windows = token_windows(load_tokenizer(folder), windows_config, knob="quant.sensitivity")
         candidates = select_modules(linear_layers(model), config.exclude)
         if LM_HEAD in candidates:

@@ -122,6 +122,22 @@ def test_streamed_write_loads_back_as_the_same_model(tiny_llama: Path, tmp_path:
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is not untie
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_load_model_equals_from_pretrained(tmp_path: Path, tied: bool) -> None:
+    folder = make_tiny_llama(tmp_path / "llama", tie_word_embeddings=tied)
+    expected, loaded = load_causal_lm(folder), StreamedCheckpoint(folder).load_model()
+    assert not loaded.training
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) is tied
+    assert loaded.state_dict().keys() == expected.state_dict().keys()
+    for name, value in expected.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, expected(ids).logits)
+    bf16 = StreamedCheckpoint(folder, ResolvedPlacement("cpu", "bfloat16")).load_model()
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+
+
 def test_a_folder_without_safetensors_is_a_source_error(tmp_path: Path) -> None:
     folder = make_tiny_llama(tmp_path / "m")
     (folder / "model.safetensors").unlink()
