@@ -154,7 +154,9 @@ class ExportPass(Pass):
     consumes = Kind.TORCH
     produces = Kind.GRAPH
     # placement_knobs stays (): see the module docstring (the trace computes nothing; graph passes
-    # set the graph's precision). memory_profile stays "whole": ``ensures`` loads the fp32 model.
+    # set the graph's precision). memory_profile stays "whole": ``ensures`` loads the fp32 model
+    # (module by module: StreamedCheckpoint.load_model).
+    loads_module_by_module = True
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         import onnx_ir as ir

@@ -207,6 +207,7 @@ class SensitivityPass(Pass):
     consumes = Kind.TORCH
     produces = Kind.TORCH
     placement_knobs = ("device", "torch_dtype")
+    loads_module_by_module = True  # StreamedCheckpoint.load_model
 
     def requires(self, source: Artifact) -> None:
         from passes.int4 import check_group_size, linear_layers, meta_model

@@ -49,6 +49,10 @@ class Pass(ABC):
     # time, streamed from the safetensors), "graph" (an ONNX graph with external data memory-mapped),
     # "none" (no weights).
     memory_profile: ClassVar[str] = "whole"
+    # A "whole" pass that loads its model module by module (calibration.streaming's
+    # ``StreamedCheckpoint.load_model``) maps one module of the checkpoint at a time; one that
+    # loads through ``from_pretrained`` has the whole checkpoint mapped beside the weights.
+    loads_module_by_module: ClassVar[bool] = False
     # The preflight's estimate of this pass's peak memory in bytes (pipeline.memory.preflight sets
     # it; the manager records it next to the measured peak). None: not estimated.
     memory_estimate: int | None = None

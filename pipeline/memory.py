@@ -218,7 +218,11 @@ def generic_estimate(step: Pass, shapes: ModelShapes, index: int = 0) -> Estimat
         weights = shapes.graph_bytes
     elif profile == "whole":
         weights = shapes.parameters * compute
-        parts["checkpoint"] = shapes.parameters * source  # memory-mapped while the model loads
+        # memory-mapped while the model loads: the whole file, or one module at a time
+        mapped = shapes.parameters
+        if step.loads_module_by_module:
+            mapped = max(shapes.block_params, shapes.embedding_params)
+        parts["checkpoint"] = mapped * source
     elif profile == "block":
         held = shapes.embedding_params + shapes.lm_head_params + shapes.block_params
         weights = held * compute

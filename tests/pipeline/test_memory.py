@@ -127,6 +127,19 @@ def test_lower_dtype_lowers_the_estimate(tiny_llama: Path) -> None:
     assert difference == 2 * shapes.parameters  # the weights at 2 bytes instead of 4
 
 
+def test_a_pass_loading_module_by_module_maps_one_module_of_the_checkpoint(tiny_llama: Path) -> None:
+    shapes = model_shapes(tiny_llama)
+    assert shapes is not None
+
+    class Streamed(TorchPass):
+        loads_module_by_module = True
+
+    whole, streamed = memory.estimate_pass(TorchPass(), shapes), memory.estimate_pass(Streamed(), shapes)
+    assert whole.parts["checkpoint"] == shapes.parameters * 4  # the tiny checkpoint is float32
+    assert streamed.parts["checkpoint"] == max(shapes.block_params, shapes.embedding_params) * 4
+    assert whole.host_bytes - streamed.host_bytes == whole.parts["checkpoint"] - streamed.parts["checkpoint"]
+
+
 def test_available_memory_is_the_knob_else_meminfo() -> None:
     assert memory.available_memory(2.0) == (2 * GIB, "pipeline.max_memory_gib")
     available, source = memory.available_memory(None)
