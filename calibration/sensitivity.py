@@ -37,13 +37,17 @@ from typing import Any
 
 import numpy as np
 
+# Weight elements the Fisher estimate quantizes at once (chunks of rows): 64 MiB in float32.
+FISHER_CHUNK_ELEMENTS = 1 << 24
 _BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
 class LayerQuantizer:
     """How one layer is quantized: ``weight`` maps the fp32 weight [out, in] to its dequantized
-    value; ``activation`` (optional) maps the layer's input to its quantized-dequantized value."""
+    value, row by row (per output channel, or groups within a row: the Fisher estimate applies it
+    to chunks of rows); ``activation`` (optional) maps the layer's input to its
+    quantized-dequantized value."""
 
     weight: Callable[[Any], Any]
     activation: Callable[[Any], Any] | None = None
@@ -226,11 +230,6 @@ def fisher_scores(
     tokenwise = {name: torch.zeros((), dtype=torch.float64, device=device) for name in quantizers}
     sequence = {name: torch.zeros((), dtype=torch.float64, device=device) for name in quantizers}
 
-    def weight_delta(name: str) -> Any:
-        # Made again at each use, never cached: a cache would hold a float32 copy of every weight.
-        weight = probe.linears[name].weight.detach().float()
-        return quantizers[name].weight(weight).to(device=device, dtype=torch.float32) - weight
-
     def output_hook(name: str) -> Callable[..., None]:
         quantizer = quantizers[name]
 
@@ -240,13 +239,25 @@ def fisher_scores(
             x = args[0].detach()
 
             def on_grad(grad: Any) -> None:
-                inputs, change = x.float(), weight_delta(name)
-                dy = inputs @ change.T
-                if quantizer.activation is not None:  # act(x) @ w(W)^T - x @ W^T
-                    quantized = quantizer.activation(x).to(device=device, dtype=torch.float32)
-                    dy += (quantized - inputs) @ (module.weight.detach().float() + change).T
-                del change
-                dots = (grad.float() * dy).sum(-1)  # [batch, tokens]
+                inputs = x.float()
+                input_change = None
+                if quantizer.activation is not None:
+                    input_change = quantizer.activation(x).to(device=device, dtype=torch.float32) - inputs
+                weight = module.weight.detach()
+                # The weight's change is made again at each use, never cached (a cache would hold
+                # a float32 copy of every weight), and in chunks of rows: the quantizer's
+                # temporaries are several copies of what it quantizes (0.6 GB each for the 3B
+                # shape's 49152 x 3072 head).
+                rows = max(1, FISHER_CHUNK_ELEMENTS // weight.shape[1])
+                dots = torch.zeros(grad.shape[:-1], dtype=torch.float32, device=device)
+                for start in range(0, weight.shape[0], rows):
+                    chunk = weight[start : start + rows].float()
+                    change = quantizer.weight(chunk).to(device=device, dtype=torch.float32) - chunk
+                    dy = inputs @ change.T
+                    if input_change is not None:  # act(x) @ w(W)^T - x @ W^T
+                        dy += input_change @ (chunk + change).T
+                    dots += (grad[..., start : start + rows].float() * dy).sum(-1)  # [batch, tokens]
+                    del change, dy
                 tokenwise[name] += dots.double().square().sum()
                 sequence[name] += dots.double().sum(-1).square().sum()
 
