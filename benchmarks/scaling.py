@@ -43,6 +43,7 @@ Run from the repository root::
 
     python benchmarks/scaling.py --shapes 135m 360m --recipes none int4_awq [--keep]
     python benchmarks/scaling.py --report artifacts/scaling/scaling.json --fit-from 360m  # refit, no builds
+    python benchmarks/scaling.py --report a.json b.json  # the builds of several runs in one table
 """
 
 from __future__ import annotations
@@ -779,10 +780,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="OVERRIDE",
         help="more overrides for every build (pipeline.device=cuda)",
     )
-    parser.add_argument("--report", type=Path, help="print this saved --out JSON again (no builds)")
+    parser.add_argument(
+        "--report",
+        type=Path,
+        nargs="+",
+        help="print these saved --out JSONs again, their builds merged (no builds)",
+    )
     args = parser.parse_args(argv)
-    if args.report and not args.report.is_file():
-        parser.error(f"--report {args.report}: no such file")
+    missing = [str(path) for path in args.report or [] if not path.is_file()]
+    if missing:
+        parser.error(f"--report {' '.join(missing)}: no such file")
     if args.shard_gib <= 0 or args.build_timeout < 1 or args.disk_factor < 0:
         parser.error("--shard-gib and --build-timeout must be positive, --disk-factor at least 0")
     args.shapes = sorted(dict.fromkeys(args.shapes), key=lambda s: SHAPES[s].parameters())
@@ -799,8 +806,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.report:  # print a saved run again, the exponents refitted (--fit-from)
-        record = json.loads(args.report.read_text())
+    if args.report:  # print saved runs again, merged, the exponents refitted (--fit-from)
+        saved = [json.loads(path.read_text()) for path in args.report]
+        record = saved[0]
+        record["builds"] = [build for run in saved for build in run["builds"]]
+        record["load_at_end"] = saved[-1].get("load_at_end")
         record["fit_from"] = args.fit_from
         record["fits"] = fits(record["builds"], SHAPES[args.fit_from].parameters() if args.fit_from else 0)
         report(record)
