@@ -62,7 +62,7 @@ import numpy as np
 
 from calibration.streaming import StreamedCheckpoint
 from pipeline.allocator import large_allocations_unmapped
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, write_metadata
+from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, link_tree, write_metadata
 from pipeline.base import Pass
 from pipeline.config import register_pass
 from pipeline.errors import PassError
@@ -183,7 +183,9 @@ class ExportPass(Pass):
             if (source.path / name).is_file():
                 shutil.copy2(source.path / name, out_dir / name)
         if (source.path / EXTRAS_DIR).is_dir():  # side data of torch-stage passes for graph passes
-            shutil.copytree(source.path / EXTRAS_DIR, out_dir / EXTRAS_DIR)
+            # hard links, not a copy: AWQ's and GPTQ's extras/int4 are 0.18x the fp32 weights
+            (out_dir / EXTRAS_DIR).mkdir()
+            link_tree(source.path / EXTRAS_DIR, out_dir / EXTRAS_DIR)
         hf_config = json.loads((source.path / "config.json").read_text())
         gen_path = source.path / "generation_config.json"
         generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}

@@ -19,7 +19,7 @@ from onnx import TensorProto, numpy_helper
 
 from passes.export import ExportPass
 from passes.gptq import GptqPass
-from passes.int4 import EXTRAS_DIR, INFO_FILE, INT4_DIR, quantize_rtn
+from passes.int4 import EXTRAS_DIR, INFO_FILE, INT4_DIR, PARAMS_FILE, quantize_rtn
 from passes.matmulnbits import DATA_FILE, MODEL_FILE, Int4LoweringPass
 from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import ConfigError, PassError
@@ -117,6 +117,11 @@ def test_matmulnbits_placement_and_types(quantized: dict[str, Artifact]) -> None
     graph_files = {p.name for p in quantized["graph"].path.iterdir()}
     assert graph_files <= {p.name for p in folder.iterdir()}
     assert (folder / EXTRAS_DIR / INT4_DIR / INFO_FILE).is_file()
+    # The torch pass's extras reach the lowering as hard links, never copies (export, then lowering).
+    copies = [
+        quantized[kind].path / EXTRAS_DIR / INT4_DIR / PARAMS_FILE for kind in ("torch", "graph", "nbits")
+    ]
+    assert len({path.stat().st_ino for path in copies}) == 1
     assert (folder / DATA_FILE).stat().st_size < 0.4 * (quantized["graph"].path / DATA_FILE).stat().st_size
 
 
