@@ -121,6 +121,28 @@ def test_fisher_estimate_ranks_like_the_exact_scan(probe: SensitivityProbe) -> N
     assert fisher_sensitivity(probe, quantizers, samples=8, progress=False) == estimate.tokenwise
 
 
+def test_chunked_quantization_equals_the_whole_weight(
+    probe: SensitivityProbe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large weights are quantized in chunks of rows (bounded temporaries): forced here on the tiny
+    model, the KL probe's result is the same and the Fisher scores agree to float rounding."""
+    import calibration.sensitivity as sensitivity
+
+    quantizers = {
+        n: rtn(16) for n in ("lm_head", "model.layers.1.mlp.down_proj", "model.layers.0.self_attn.q_proj")
+    }
+    whole_kl = probe.kl(quantizers)
+    whole = fisher_scores(probe, quantizers, samples=2, progress=False)
+    weight = probe.linears["lm_head"].weight.data
+    monkeypatch.setattr(sensitivity, "FISHER_CHUNK_ELEMENTS", 5 * weight.shape[1])  # 5 rows a chunk
+    assert torch.equal(sensitivity.quantized_weight(quantizers["lm_head"], weight), rtn(16).weight(weight))
+    assert probe.kl(quantizers) == whole_kl
+    chunked = fisher_scores(probe, quantizers, samples=2, progress=False)
+    for name, value in whole.tokenwise.items():
+        assert chunked.tokenwise[name] == pytest.approx(value, rel=1e-4), name
+        assert chunked.sequence[name] == pytest.approx(whole.sequence[name], rel=1e-4), name
+
+
 def test_fisher_estimate_is_seeded_and_leaves_the_model_as_it_was(probe: SensitivityProbe) -> None:
     quantizers = {n: rtn(16) for n in list(probe.linears)[:4]}
     before = {n: (p.requires_grad, p.detach().clone()) for n, p in probe.model.named_parameters()}

@@ -201,3 +201,13 @@ def test_cli_bad_method_is_one_line(tiny_llama: Path, tmp_path: Path) -> None:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines == ["error: quant.sensitivity.method=taylor: must be one of fisher, exact"]
+
+
+def test_memory_estimate_adds_the_fisher_backward_to_the_whole_model(tiny_llama: Path) -> None:
+    from pipeline.memory import generic_estimate, model_shapes
+
+    shapes = model_shapes(tiny_llama)
+    assert shapes is not None
+    fisher, exact = SensitivityPass(), SensitivityPass(sensitivity={"method": "exact"})
+    generic = generic_estimate(fisher, shapes).host_bytes
+    assert generic < exact.estimate_memory(shapes) < fisher.estimate_memory(shapes)  # type: ignore[operator]
