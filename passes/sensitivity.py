@@ -213,8 +213,8 @@ class SensitivityPass(Pass):
     def estimate_memory(self, shapes: ModelShapes) -> int | None:
         """The generic whole-model estimate plus what the scan adds to it: the Fisher backward's
         saved activations (every layer's, for one batch of windows, and four logits-sized
-        tensors), the quantized copy of the largest layer that the KL probe holds beside its
-        weight, and the quantizer's temporaries on one chunk of rows. Measured on the 3B shape
+        tensors), the quantized copies the KL probe holds beside the weights (one block's, or the
+        head's), and the quantizer's temporaries on one chunk of rows. Measured on the 3B shape
         before the probe quantized in chunks: 15.82 GiB, where the generic estimate said 12.64."""
         from calibration.sensitivity import FISHER_CHUNK_ELEMENTS
         from pipeline.memory import CALIBRATION_BATCH, generic_estimate
@@ -222,8 +222,9 @@ class SensitivityPass(Pass):
         sensitivity = self.config.sensitivity
         tokens = min(sensitivity.num_samples, CALIBRATION_BATCH) * sensitivity.seq_len
         compute = 2 if self.placement.torch_dtype in ("bfloat16", "float16") else 4
-        largest = max(shapes.vocab_size, shapes.intermediate_size) * shapes.hidden_size
-        added = largest * compute + 4 * min(FISHER_CHUNK_ELEMENTS, largest) * 4
+        largest = max(shapes.vocab_size, shapes.intermediate_size) * shapes.hidden_size  # one weight
+        held = max(shapes.vocab_size * shapes.hidden_size, shapes.block_params)  # the head or a block
+        added = held * compute + 4 * min(FISHER_CHUNK_ELEMENTS, largest) * 4
         if sensitivity.method == Method.fisher:
             per_token = 6 * shapes.hidden_size + 4 * shapes.intermediate_size
             added += shapes.num_layers * tokens * per_token * 4 + 4 * tokens * shapes.vocab_size * 4
