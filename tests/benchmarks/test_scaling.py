@@ -160,3 +160,31 @@ def test_the_real_shapes(scaling: ModuleType) -> None:
     assert math.isclose(scaling.SHAPES["135m"].parameters(), 134_515_008)
     assert math.isclose(scaling.SHAPES["360m"].parameters(), 361_821_120)
     assert scaling.SHAPES["3b"].head_dim == 128 and not scaling.SHAPES["1.1b"].tied
+
+
+def test_report_merges_the_builds_of_several_saved_runs(
+    scaling: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    host = {"cpu": "test", "logical_cores": 2, "physical_cores": 2, "usable_cores": 2, "memory_gib": 24.0}
+
+    def saved(shape: str, seconds: float) -> Path:
+        params = scaling.SHAPES[shape].parameters()
+        export = {"name": "export", "seconds": seconds, "cpu_seconds": seconds, "peak_rss_bytes": 2**30}
+        export |= {"cache_hit": False, "estimate_bytes": 2**31, "measured_by": "pass"}
+        build = {
+            "shape": shape, "like": "x", "params": params, "fp32_bytes": 4 * params, "recipe": "none",
+            "status": "ok", "note": "", "passes": [export], "load_before": [0.1, 0.1, 0.1],
+            "load_after": [0.1, 0.1, 0.1], "disk_added_bytes": 4 * params, "disk_ratio_fp32": 1.0,
+            "total": {"seconds": seconds, "cpu_seconds": seconds, "peak_rss_bytes": 2**30},
+        }  # fmt: skip
+        path = tmp_path / f"{shape}.json"
+        record = {"host": host, "load_at_start": [0.1] * 3, "load_at_end": [0.1] * 3, "builds": [build]}
+        path.write_text(json.dumps({**record, "fit_from": None, "fits": [], "interrupted": False}))
+        return path
+
+    assert scaling.main(["--report", str(saved("360m", 10.0)), str(saved("1.1b", 30.0))]) == 0
+    out = capsys.readouterr().out
+    assert "360m" in out and "1.1b" in out and "no exponents" not in out  # two shapes: one fit
+    with pytest.raises(SystemExit) as refused:
+        scaling.main(["--report", str(tmp_path / "missing.json")])
+    assert refused.value.code == 2 and "missing.json: no such file" in capsys.readouterr().err
