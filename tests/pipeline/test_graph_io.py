@@ -129,3 +129,20 @@ def test_parity_helper_catches_perturbed_logits(tiny_graph: Artifact, tmp_path: 
     assert perturbed["max_abs_diff"] > 0.5
     assert perturbed["kl"] > 0.01
     assert perturbed["top1_agreement"] < 0.5
+
+
+def test_parity_sessions_keep_the_weights_mapped_and_engines_prepack(tiny_graph: Artifact) -> None:
+    """The parity checks open ONNX Runtime without MLAS prepacking (the weights held once, from
+    the mapped data file); an engine session, which serves, keeps it."""
+    from pipeline.graph_io import _parity_model
+    from pipeline.runtime.ort import OrtModel, graph_io
+
+    def prepacking(model: OrtModel) -> bool:
+        options = model.session.get_session_options()
+        try:
+            return options.get_session_config_entry("session.disable_prepacking") != "1"
+        except RuntimeError:  # not set: ONNX Runtime's default, prepacking on
+            return True
+
+    assert not prepacking(_parity_model(tiny_graph.path, "all"))
+    assert prepacking(OrtModel(tiny_graph.path / "model.onnx", graph_io(tiny_graph.path)))
