@@ -186,13 +186,19 @@ def quantized_weight(quantizer: LayerQuantizer, weight: Any) -> Any:
     head in fp32) stay bounded; the result is the same, row by row."""
     import torch
 
-    rows = max(1, FISHER_CHUNK_ELEMENTS // weight.shape[1])
-    if weight.shape[0] <= rows:
+    chunks = row_chunks(weight)
+    if len(chunks) == 1:
         return quantizer.weight(weight).to(weight.dtype)
     out = torch.empty_like(weight)
-    for start in range(0, weight.shape[0], rows):
-        out[start : start + rows] = quantizer.weight(weight[start : start + rows]).to(weight.dtype)
+    for rows in chunks:
+        out[rows] = quantizer.weight(weight[rows]).to(weight.dtype)
     return out
+
+
+def row_chunks(weight: Any) -> list[slice]:
+    """Slices of ``weight``'s rows holding at most ``FISHER_CHUNK_ELEMENTS`` elements each."""
+    rows = max(1, FISHER_CHUNK_ELEMENTS // weight.shape[1])
+    return [slice(start, start + rows) for start in range(0, weight.shape[0], rows)]
 
 
 def layer_sensitivity(
@@ -264,15 +270,14 @@ def fisher_scores(
                 # a float32 copy of every weight), and in chunks of rows: the quantizer's
                 # temporaries are several copies of what it quantizes (0.6 GB each for the 3B
                 # shape's 49152 x 3072 head).
-                rows = max(1, FISHER_CHUNK_ELEMENTS // weight.shape[1])
                 dots = torch.zeros(grad.shape[:-1], dtype=torch.float32, device=device)
-                for start in range(0, weight.shape[0], rows):
-                    chunk = weight[start : start + rows].float()
+                for rows in row_chunks(weight):
+                    chunk = weight[rows].float()
                     change = quantizer.weight(chunk).to(device=device, dtype=torch.float32) - chunk
                     dy = inputs @ change.T
                     if input_change is not None:  # act(x) @ w(W)^T - x @ W^T
                         dy += input_change @ (chunk + change).T
-                    dots += (grad[..., start : start + rows].float() * dy).sum(-1)  # [batch, tokens]
+                    dots += (grad[..., rows].float() * dy).sum(-1)  # [batch, tokens]
                     del change, dy
                 tokenwise[name] += dots.double().square().sum()
                 sequence[name] += dots.double().sum(-1).square().sum()

@@ -142,8 +142,8 @@ class Cache:
         prediction of :meth:`lookup`, which verifies them): None when there is no readable entry."""
         if not self.enabled:
             return None
-        record, problem = read_record(self.root / key / ENTRY_FILE)
-        if record is None or problem is not None or _entry_problem(record) is not None:
+        record, problem = _checked_record(self.root / key / ENTRY_FILE)
+        if record is None or problem is not None:
             return None
         digest = record.get("output_digest")
         return digest if isinstance(digest, str) else None
@@ -158,9 +158,7 @@ class Cache:
         if not entry_file.is_file():
             return None
         judged = _identity(entry_file)  # which entry we judge, should another job replace it
-        record, problem = read_record(entry_file)
-        if record is not None:
-            problem = _entry_problem(record)
+        record, problem = _checked_record(entry_file)
         output = entry_dir / OUTPUT_DIR
         digest = None
         if problem is None:
@@ -299,6 +297,14 @@ def read_record(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     if not isinstance(record, dict):
         return None, f"it holds a JSON {type(record).__name__}, not an object"
     return record, None
+
+
+def _checked_record(entry_file: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """An entry's record and what is wrong with it (unreadable, malformed), None when nothing."""
+    record, problem = read_record(entry_file)
+    if record is not None:
+        problem = _entry_problem(record)
+    return record, problem
 
 
 def _entry_problem(record: dict[str, Any]) -> str | None:

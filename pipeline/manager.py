@@ -69,11 +69,11 @@ def validate(passes: list[Pass], source_kind: Kind, final_kind: Kind | None = Ki
         step.preflight()
 
 
-def _key(step: Pass, input_digest: str) -> str:
-    """The cache key of ``step`` on an input of ``input_digest``: the placement enters it only
-    for a pass whose output depends on it."""
-    keyed = step.config_dict()
-    if placement_of(step):
+def _key(step: Pass, input_digest: str, config: dict[str, Any] | None = None) -> str:
+    """The cache key of ``step`` (its ``config_dict()``, when the caller has it) on an input of
+    ``input_digest``: the placement enters it only for a pass whose output depends on it."""
+    keyed = dict(step.config_dict() if config is None else config)
+    if step.placement_knobs:
         keyed["_placement"] = step.placement.key(step.placement_knobs)
     return cache_key(input_digest, step.name, step.version, keyed)
 
@@ -113,7 +113,7 @@ class PassManager:
     def _run_one(self, index: int, step: Pass, source: Artifact) -> tuple[Artifact, PassRecord]:
         config = step.config_dict()
         placement = placement_of(step)
-        key = _key(step, source.digest)
+        key = _key(step, source.digest, config)
         entry = self.cache.lookup(key, step.produces)
         if entry is not None:
             log.info("pass %d/%d %s: cache hit (%s)", index, len(self.passes), step.name, key[:12])
