@@ -60,6 +60,7 @@ from pipeline.graph_io import (
     link_folder_files,
     link_graph_folder,
     load_graph,
+    new_initializer,
     save_graph,
 )
 from pipeline.runtime.ort import graph_io
@@ -349,15 +350,6 @@ class Fp8QdqPass(Pass):
         return {"vs_input": agreement}
 
 
-def _initializer(graph: Any, name: str, array: np.ndarray) -> Any:
-    import onnx_ir as ir
-
-    tensor = ir.Tensor(array, name=name)
-    value = ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(tensor.dtype), const_value=tensor)
-    graph.register_initializer(value)
-    return value
-
-
 def quantize_graph(
     model: Any, matmuls: dict[str, Any], quantized: list[str], act_amax: dict[str, float], config: Any
 ) -> dict[str, int]:
@@ -385,8 +377,8 @@ def quantize_graph(
         old.const_value = None  # drops the memory map of the fp32 weight
         old.name = f"{weight_name}.fp32"  # the DQ output takes its name
         inputs = [
-            _initializer(graph, f"{weight_name}_fp8", codes),
-            _initializer(graph, f"{weight_name}_scale", scale),
+            new_initializer(graph, f"{weight_name}_fp8", codes),
+            new_initializer(graph, f"{weight_name}_scale", scale),
         ]
         scope = node.name.removesuffix("/MatMul")
         dequantize = ir.node(
@@ -403,7 +395,7 @@ def quantize_graph(
     if not act_amax:
         return counts
     zero = np.zeros((), dtype=FP8_E4M3.quantize(np.zeros(1), 1.0).dtype)
-    zero_point = _initializer(graph, ZERO_POINT, zero)
+    zero_point = new_initializer(graph, ZERO_POINT, zero)
     values = {v.name: v for v in graph.inputs}
     values.update({v.name: v for n in graph for v in n.outputs})
     dequantized: dict[str, Any] = {}
@@ -411,7 +403,7 @@ def quantize_graph(
     after: dict[int, list[Any]] = {}  # id(producer) -> Q/DQ nodes, in its outputs' order
     for tensor, amax in act_amax.items():
         scale = FP8_E4M3.scale(amax)
-        scale_value = _initializer(graph, f"{tensor}_scale", np.asarray(scale, np.float32).reshape(()))
+        scale_value = new_initializer(graph, f"{tensor}_scale", np.asarray(scale, np.float32).reshape(()))
         quantize = ir.node(
             "QuantizeLinear",
             [values[tensor], scale_value, zero_point],

@@ -79,6 +79,7 @@ from pipeline.graph_io import (
     compare_graphs,
     link_folder_files,
     load_graph,
+    new_initializer,
     save_graph,
 )
 
@@ -193,15 +194,6 @@ def activation_scale(absmax: float) -> np.float32:
 # The graph rewrite
 
 
-def _initializer(graph: Any, name: str, array: np.ndarray) -> Any:
-    import onnx_ir as ir
-
-    tensor = ir.Tensor(array, name=name)
-    value = ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(tensor.dtype), const_value=tensor)
-    graph.register_initializer(value)
-    return value
-
-
 def insert_qdq(
     model: Any,
     linear_weights: dict[str, str],
@@ -252,9 +244,9 @@ def insert_qdq(
         old = initializers.pop(weight)
         old.const_value = None  # drops the memory map of the fp32 weight
         w_inputs = [
-            _initializer(graph, f"{weight}_quantized", codes),
-            _initializer(graph, f"{weight}_scale", w_scale),
-            _initializer(graph, f"{weight}_zero_point", np.zeros_like(w_scale, dtype=np.int8)),
+            new_initializer(graph, f"{weight}_quantized", codes),
+            new_initializer(graph, f"{weight}_scale", w_scale),
+            new_initializer(graph, f"{weight}_zero_point", np.zeros_like(w_scale, dtype=np.int8)),
         ]
         new_nodes = [
             ir.node(
@@ -273,10 +265,10 @@ def insert_qdq(
             # single DQ (measured: a shared Q, or Qs sharing scale initializers, which ORT's CSE
             # merges, stay unfused fp32 MatMuls).
             base = f"{module}.input"
-            scale = _initializer(
+            scale = new_initializer(
                 graph, f"{base}_scale", np.array(activation_scale(ranges[module]), np.float32)
             )
-            zero = _initializer(graph, f"{base}_zero_point", np.array(0, np.int8))
+            zero = new_initializer(graph, f"{base}_zero_point", np.array(0, np.int8))
             quantize = ir.node(
                 "QuantizeLinear",
                 [node.inputs[0], scale, zero],

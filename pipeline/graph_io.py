@@ -456,6 +456,16 @@ def check_model(path: Path) -> None:
     onnx.checker.check_model(proto, full_check=True)
 
 
+def new_initializer(graph: Any, name: str, array: np.ndarray) -> Any:
+    """Register ``array`` as the initializer ``name`` of the onnx-ir ``graph``; its value."""
+    import onnx_ir as ir
+
+    tensor = ir.Tensor(array, name=name)
+    value = ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(tensor.dtype), const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
 def link_folder_files(source: Path, out_dir: Path, skip: Iterable[str] = ()) -> None:
     """Hard-link (copy across file systems) the files of graph folder ``source`` that are not the
     graph (tokenizer, config, ``extras/``...) into ``out_dir``: everything except its ONNX files,
@@ -597,6 +607,7 @@ __all__ = [
     "link_folder_files",
     "link_graph_folder",
     "load_graph",
+    "new_initializer",
     "save_graph",
     "unreferenced_data_files",
 ]
