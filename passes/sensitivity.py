@@ -185,10 +185,10 @@ def _numpy_fake_quant(fmt: Any, x: Any, amax: Any) -> Any:
 def layer_quantizer(config: SensitivityPassConfig, weight_only: bool, input_absmax: float) -> LayerQuantizer:
     """Weight (and activation) fake quantization of one layer in ``config``'s format."""
     from calibration.observers import FP8_E4M3, INT8
-    from passes.int4 import quantize_rtn
+    from passes.int4 import fake_quantize_rtn
 
     if config.weight == WeightFormat.int4:
-        return LayerQuantizer(lambda w: quantize_rtn(w, config.group_size, config.symmetric).dequantize())
+        return LayerQuantizer(lambda w: fake_quantize_rtn(w, config.group_size, config.symmetric))
     fmt = INT8 if config.weight == WeightFormat.int8 else FP8_E4M3
 
     def weight(w: Any) -> Any:  # per output channel: the row's max |w|

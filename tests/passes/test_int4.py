@@ -20,6 +20,7 @@ from passes.int4 import (
     INT4_DIR,
     QuantizedLinear,
     TorchInt4Pass,
+    fake_quantize_rtn,
     load_params,
     matmulnbits_tensors,
     pack_uint4,
@@ -84,6 +85,15 @@ def test_rtn_parameters_match_a_numpy_reference(group: int, symmetric: bool) -> 
         <= layer.scales.numpy().max() * (0.5 if not symmetric else 1.0) + 1e-6
     )
     assert np.all(dequantized[1, 32:64] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_fake_quantization_is_the_dequantized_rtn_bit_for_bit(symmetric: bool, dtype: torch.dtype) -> None:
+    weight = torch.from_numpy(random_weight()).to(dtype)  # with an all-zero and a positive group
+    fake = fake_quantize_rtn(weight, 32, symmetric)
+    assert fake.dtype == torch.float32
+    assert torch.equal(fake, quantize_rtn(weight, 32, symmetric).dequantize())
 
 
 def test_rtn_and_packing_match_onnxruntime() -> None:
