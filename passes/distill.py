@@ -176,6 +176,7 @@ class DistillPass(Pass):
     consumes = Kind.TORCH
     produces = Kind.TORCH
     placement_knobs = ("device", "torch_dtype")
+    loads_module_by_module = True  # StreamedCheckpoint.load_model (teacher and student)
 
     def requires(self, source: Artifact) -> None:
         validate(self.config)
@@ -224,17 +225,19 @@ class DistillPass(Pass):
         import torch
         from tqdm import tqdm
 
+        from calibration.streaming import StreamedCheckpoint
         from pipeline.placement import ResolvedPlacement
-        from pipeline.torch_model import copy_beside_weights, load_causal_lm, load_tokenizer
+        from pipeline.torch_model import copy_beside_weights, load_tokenizer
 
         config = self.config
         validate(config)
         self._check_bfloat16()
         placement = self.placement
         teacher_path = teacher_of(source)
-        teacher = load_causal_lm(teacher_path, placement=placement)
+        # Module by module (the checkpoints' pages are not kept mapped beside the weights).
+        teacher = StreamedCheckpoint(teacher_path, placement).load_model()
         # Master weights in float32 on the placement's device, whatever its dtype.
-        student = load_causal_lm(source.path, placement=ResolvedPlacement(placement.device, "float32"))
+        student = StreamedCheckpoint(source.path, ResolvedPlacement(placement.device, "float32")).load_model()
         for parameter in teacher.parameters():
             parameter.requires_grad_(False)
         train, holdout = self._data(load_tokenizer(source.path))

@@ -353,6 +353,7 @@ class PrunePass(Pass):
     consumes = Kind.TORCH
     produces = Kind.TORCH
     placement_knobs = ("device", "torch_dtype")
+    loads_module_by_module = True  # StreamedCheckpoint.load_model
 
     def requires(self, source: Artifact) -> None:
         validate(self.config)
@@ -365,14 +366,16 @@ class PrunePass(Pass):
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from pipeline.torch_model import copy_beside_weights, load_causal_lm, load_tokenizer
+        from calibration.streaming import StreamedCheckpoint
+        from pipeline.torch_model import copy_beside_weights, load_tokenizer
 
         config = self.config
         validate(config)
         hf = json.loads((source.path / "config.json").read_text())
         shape = Shape.of(hf)
         target = target_shape(shape, config)
-        model = load_causal_lm(source.path, placement=self.placement)
+        # Module by module: the checkpoint's pages are not kept mapped beside the weights.
+        model = StreamedCheckpoint(source.path, self.placement).load_model()
         tokenizer = load_tokenizer(source.path)
         windows = token_windows(tokenizer, config.calibration, knob="prune.calibration")
         holdout = self._holdout(tokenizer, windows)
