@@ -201,6 +201,29 @@ def row_chunks(weight: Any) -> list[slice]:
     return [slice(start, start + rows) for start in range(0, weight.shape[0], rows)]
 
 
+def output_change(quantizer: LayerQuantizer, weight: Any, x: Any, chunks: list[slice], device: Any) -> Any:
+    """``dy = act(x) @ w(W)^T - x @ W^T`` in float32 ``[..., out]``, the weight's change made in
+    the chunks of rows ``chunks`` and never kept (a cache would hold a float32 copy of every
+    weight; the quantizer's temporaries are several copies of what it quantizes: 0.6 GB each for
+    the 3B shape's 49152 x 3072 head)."""
+    import torch
+
+    inputs = x.float()
+    input_change = None
+    if quantizer.activation is not None:
+        input_change = quantizer.activation(x).to(device=device, dtype=torch.float32) - inputs
+    dy = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32, device=device)
+    for rows in chunks:
+        chunk = weight[rows].float()
+        change = quantizer.weight(chunk).to(device=device, dtype=torch.float32) - chunk
+        part = inputs @ change.T
+        if input_change is not None:  # act(x) @ w(W)^T - x @ W^T
+            part += input_change @ (chunk + change).T
+        dy[..., rows] = part
+        del change, part
+    return dy
+
+
 def layer_sensitivity(
     probe: SensitivityProbe, quantizers: dict[str, LayerQuantizer], progress: bool = True
 ) -> dict[str, float]:
@@ -242,8 +265,9 @@ def fisher_scores(
     ``sequence`` = 0.5 E[(sum_t s_t)^2] / tokens per window, the unbiased estimate of the Fisher
     quadratic form 0.5 dy^T F dy (the cross terms of independently sampled labels have zero mean)
     but noisier. No per-sample gradient, weight gradient or quantized weight copy is kept: each
-    layer's input is held for its backward (one batch of windows; about what autograd keeps for
-    the block anyway) and its quantized weight is made again at each use.
+    layer's dy is made in the forward (its weight quantized once a batch of windows, not once a
+    sample) and held for the backwards (the size of the layer's output on one batch: about what
+    autograd keeps for the block anyway).
     """
     import torch
     from tqdm import tqdm
@@ -258,27 +282,15 @@ def fisher_scores(
         def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
             if not output.requires_grad:
                 return
-            x = args[0].detach()
+            weight = module.weight.detach()
+            chunks = row_chunks(weight)
+            with torch.no_grad():
+                dy = output_change(quantizer, weight, args[0].detach(), chunks, device)
 
             def on_grad(grad: Any) -> None:
-                inputs = x.float()
-                input_change = None
-                if quantizer.activation is not None:
-                    input_change = quantizer.activation(x).to(device=device, dtype=torch.float32) - inputs
-                weight = module.weight.detach()
-                # The weight's change is made again at each use, never cached (a cache would hold
-                # a float32 copy of every weight), and in chunks of rows: the quantizer's
-                # temporaries are several copies of what it quantizes (0.6 GB each for the 3B
-                # shape's 49152 x 3072 head).
                 dots = torch.zeros(grad.shape[:-1], dtype=torch.float32, device=device)
-                for rows in row_chunks(weight):
-                    chunk = weight[rows].float()
-                    change = quantizer.weight(chunk).to(device=device, dtype=torch.float32) - chunk
-                    dy = inputs @ change.T
-                    if input_change is not None:  # act(x) @ w(W)^T - x @ W^T
-                        dy += input_change @ (chunk + change).T
-                    dots += (grad[..., rows].float() * dy).sum(-1)  # [batch, tokens]
-                    del change, dy
+                for rows in chunks:  # the order output_change made them in: the same sums
+                    dots += (grad[..., rows].float() * dy[..., rows]).sum(-1)  # [batch, tokens]
                 tokenwise[name] += dots.double().square().sum()
                 sequence[name] += dots.double().sum(-1).square().sum()
 
