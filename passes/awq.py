@@ -10,16 +10,24 @@ LLM Compression and Acceleration" (MLSys 2024, arXiv:2306.00978), as in the auth
    gate/up, ``up_proj`` -> ``down_proj``) with ``s = mean|x|^alpha / sqrt(max * min)`` for
    ``alpha`` in ``0, 1/grid, ..., (grid-1)/grid``, quantize ``W diag(s)`` and keep the ``s`` with
    the smallest output error. ``objective=linear`` (default) scores the linears' own outputs, the
-   paper's Eq. 4, exactly over every calibration token via the inputs' Gram matrix
-   (``mean_t ||dW x_t||^2 = tr(dW G dW^T)``, no forward per candidate); ``objective=block`` scores
+   paper's Eq. 4, over every calibration token without a forward per candidate:
+   ``mean_t ||dW x_t||^2 = ||dW Z^T||^2`` for any ``Z`` with ``Z^T Z = X^T X / T``. ``Z`` has at
+   most ``sketch_rows`` rows, so a candidate costs ``out x in x sketch_rows`` at most, linear in
+   the weight's size: the inputs' Gram matrix (exact) when they are at most that wide, the tokens
+   themselves (exact) when there are at most that many, and otherwise a CountSketch of every
+   token (Charikar, Chen, Farach-Colton, "Finding frequent items in data streams", ICALP 2002;
+   for Gram matrices, Clarkson & Woodruff, STOC 2013): each token is added, with a random sign,
+   to one of ``sketch_rows`` rows, so ``Z^T Z`` is an unbiased estimate of ``X^T X / T``, and
+   every candidate is scored on the same sketch. ``objective=block`` scores
    the output of the block they sit in (attention, MLP), as ``llm-awq`` does, with a forward per
    candidate on ``search_samples`` windows (several times slower on a 2-core CPU). ``alpha = 0``
    is plain round-to-nearest, so the search never does worse than it on the data it scores.
 2. Fold: the producing op's weight (RMSNorm gain, or the linear's output rows) is divided by ``s``
    and the consumers' input columns multiplied by it; the fp32 function is unchanged.
 3. Clip search: per output row and group, the weight range is shrunk (1.0 down to 0.55 of max|w|)
-   to minimise the group's partial-output error (not for q/k, as in ``llm-awq``), again exact
-   over every token through the diagonal blocks of the Gram matrix (``llm-awq`` samples 512).
+   to minimise the group's partial-output error (not for q/k, as in ``llm-awq``), exact over
+   every token through the diagonal ``group_size``-square blocks of the Gram matrix (``llm-awq``
+   samples 512 tokens), accumulated on their own (``tokens x in x group_size``: linear in width).
 4. Round-to-nearest on the scaled, clipped weights (``passes.int4``).
 
 The next layer is calibrated on the fp32 layer's outputs (``llm-awq``'s ``run_awq``). ``lm_head``
@@ -45,6 +53,7 @@ from passes.int4 import (
     TorchInt4Pass,
     check_finite,
     dequantize,
+    fake_quantize_rtn,
     input_hooks,
     quantize_codes,
     quantize_rtn,
@@ -58,6 +67,7 @@ log = logging.getLogger(__name__)
 
 CLIP_MAX_SHRINK = 0.5
 CLIP_GRID = 20
+SKETCH_SEED = 0
 NO_CLIP = ("q_proj", "k_proj")  # their error is amplified by the attention scores (llm-awq)
 
 
@@ -79,6 +89,10 @@ class AwqConfig(TorchInt4Config):
     # objective=block: calibration windows scoring each candidate (rounded up to batches of 8;
     # 0: all). Activation statistics always use every window.
     search_samples: int = 16
+    # objective=linear: rows of the inputs' error sketch (see the module docstring); bounds a
+    # candidate's cost at out x in x sketch_rows. 0: always the exact Gram matrix (out x in^2,
+    # which grows with the width: minutes a layer at 3B on a CPU).
+    sketch_rows: int = 1024
     # Weight-range clipping search after scaling (the paper's auto_clip).
     clip: bool = True
 
@@ -95,6 +109,7 @@ class Int4AwqConfig(Int4RecipeConfig):
     grid: int = 20
     objective: Objective = Objective.linear
     search_samples: int = 16
+    sketch_rows: int = 1024
     clip: bool = True
 
 
@@ -107,10 +122,8 @@ def validate_awq(config: Any) -> None:
         raise ConfigError(f"quant.grid={config.grid}: at least one candidate scale is needed")
     if config.search_samples < 0:
         raise ConfigError(f"quant.search_samples={config.search_samples}: must be >= 0 (0: all windows)")
-
-
-def fake_quantize(weight: Any, group_size: int, symmetric: bool) -> Any:
-    return quantize_rtn(weight, group_size, symmetric).dequantize()
+    if config.sketch_rows < 0:
+        raise ConfigError(f"quant.sketch_rows={config.sketch_rows}: must be >= 0 (0: the exact Gram matrix)")
 
 
 def fold_scales(prev: Any, linears: list[Any], scales: Any) -> None:
@@ -136,28 +149,104 @@ class ScaleGroup:
     quantized: list[str]  # those being quantized (exclude patterns may keep some in fp32)
     inputs: list[Any]
     # (input batch, batch index) -> output; None when the block is the group's single linear: its
-    # output error is then exact from the inputs' Gram matrix over every token, at no forward cost.
+    # output error then comes from the inputs' statistics, at no forward cost.
     block: Callable[[Any, int], Any] | None
-    gram: Any = None  # X^T X / tokens of the inputs (after folding: of the scaled inputs)
+    stats: InputStats | None = None  # of the inputs (after folding: of the scaled inputs)
 
 
-def gram_matrix(inputs: list[Any]) -> Any:
-    """``X^T X / T`` of the inputs' rows: ``mean_t (x_t . d)^2 = d^T G d`` for any ``d``."""
+class ErrorForm(enum.StrEnum):
+    """How :class:`InputStats` holds ``X^T X / T`` for the linear objective."""
+
+    gram = "gram"  # the Gram matrix itself: exact, out x in^2 a candidate
+    tokens = "tokens"  # the tokens as rows (at most sketch_rows of them): exact
+    sketch = "sketch"  # a CountSketch of every token to sketch_rows rows: unbiased
+
+
+@dataclass
+class InputStats:
+    """What the scale and clip searches need of a group's inputs ``X`` (``T`` tokens x ``in``),
+    in float32 whatever the inputs' dtype, in memory linear in ``in`` except for ``gram``
+    (``in <= sketch_rows``)."""
+
+    form: ErrorForm | None  # None: no error estimate (the group is only clipped)
+    gram: Any = None  # [in, in] X^T X / T (form gram)
+    rows: Any = None  # [r, in], rows^T rows = X^T X / T exactly (tokens) or in expectation (sketch)
+    clip_blocks: Any = None  # [in / group_size, group_size, group_size]: diagonal blocks of X^T X / T
+
+    def error(self, delta: Any, chunk: int = 4096) -> float:
+        """``mean_t ||delta x_t||^2``: the squared output error of a linear whose weight moves by
+        ``delta``, over ``chunk`` output rows at a time (bounded memory for a vocabulary-wide head)."""
+        total = 0.0
+        for start in range(0, delta.shape[0], chunk):
+            part = delta[start : start + chunk]
+            if self.form == ErrorForm.gram:
+                total += float(((part @ self.gram) * part).sum())
+            else:
+                total += float((part @ self.rows.T).pow(2).sum())
+        return total
+
+    def rescaled(self, scales: Any) -> InputStats:
+        """The statistics of the inputs ``x / scales`` (after the scales are folded)."""
+        gram = None if self.gram is None else self.gram / (scales[:, None] * scales[None, :])
+        rows = None if self.rows is None else self.rows / scales[None, :]
+        blocks = self.clip_blocks
+        if blocks is not None:
+            grouped = scales.view(blocks.shape[0], blocks.shape[1])
+            blocks = blocks / (grouped[:, :, None] * grouped[:, None, :])
+        return InputStats(self.form, gram, rows, blocks)
+
+    def tensors(self) -> list[Any]:
+        return [t for t in (self.gram, self.rows, self.clip_blocks) if t is not None]
+
+
+def error_form(width: int, tokens: int, sketch_rows: int) -> ErrorForm:
+    """The cheapest exact form when one costs at most ``sketch_rows`` per weight, else the sketch."""
+    if sketch_rows == 0 or width <= min(tokens, sketch_rows):
+        return ErrorForm.gram
+    return ErrorForm.tokens if tokens <= sketch_rows else ErrorForm.sketch
+
+
+def input_stats(
+    inputs: list[Any], sketch_rows: int | None, group_size: int | None, seed: int = SKETCH_SEED
+) -> InputStats:
+    """One pass over the input batches: the error estimate (``sketch_rows`` None: none) and the
+    clip search's diagonal Gram blocks (``group_size`` None: none). The sketch's buckets and signs
+    come from a CPU generator seeded with ``seed``, so a run is repeatable on any device."""
     import torch
 
-    # Accumulated in float32 on the inputs' device whatever their dtype.
-    gram = torch.zeros(inputs[0].shape[-1], inputs[0].shape[-1], device=inputs[0].device)
-    count = 0
+    width, device = inputs[0].shape[-1], inputs[0].device
+    tokens = sum(x.numel() // width for x in inputs)
+    form = None if sketch_rows is None else error_form(width, tokens, sketch_rows)
+    gram = torch.zeros(width, width, device=device) if form == ErrorForm.gram else None
+    rows = None
+    if form in (ErrorForm.tokens, ErrorForm.sketch):
+        rows = torch.zeros(min(tokens, sketch_rows or tokens), width, device=device)
+    blocks = None
+    if group_size:
+        blocks = torch.zeros(width // group_size, group_size, group_size, device=device)
+    generator = torch.Generator().manual_seed(seed)
+    filled = 0
     for x in inputs:
-        rows = x.reshape(-1, x.shape[-1]).float()
-        gram.addmm_(rows.T, rows)
-        count += rows.shape[0]
-    return gram / count
-
-
-def linear_error(delta: Any, gram: Any) -> float:
-    """``mean_t ||delta x_t||^2``: the squared output error of a linear whose weight moves by ``delta``."""
-    return float(((delta @ gram) * delta).sum())
+        flat = x.reshape(-1, width).float()
+        count = flat.shape[0]
+        if gram is not None:
+            gram.addmm_(flat.T, flat)
+        elif form == ErrorForm.tokens:
+            rows[filled : filled + count] = flat
+        elif form == ErrorForm.sketch:
+            bucket = torch.randint(rows.shape[0], (count,), generator=generator).to(device)
+            sign = (torch.randint(2, (count,), generator=generator) * 2 - 1).to(device, torch.float32)
+            rows.index_add_(0, bucket, flat * sign[:, None])
+        if blocks is not None:
+            grouped = flat.view(count, -1, group_size).transpose(0, 1)  # [G, count, gs]
+            blocks.baddbmm_(grouped.transpose(1, 2), grouped)
+        filled += count
+    return InputStats(
+        form,
+        None if gram is None else gram / tokens,
+        None if rows is None else rows / tokens**0.5,
+        None if blocks is None else blocks / tokens,
+    )
 
 
 def activation_scale(inputs: list[Any]) -> Any:
@@ -186,12 +275,16 @@ def search_scale(
     originals = {name: group.linears[name].weight.data.clone() for name in group.quantized}
     losses = []
     if group.block is None or objective == Objective.linear:
-        gram = group.gram if group.gram is not None else gram_matrix(group.inputs)
+        stats = (
+            group.stats
+            if group.stats is not None and group.stats.form
+            else input_stats(group.inputs, 0, None)
+        )
         for step in range(grid):
             scales = candidate_scales(x_mean, step / grid)
             losses.append(
                 sum(
-                    linear_error(fake_quantize(w * scales, group_size, symmetric) / scales - w, gram)
+                    stats.error(fake_quantize_rtn(w * scales, group_size, symmetric) / scales - w)
                     for w in originals.values()
                 )
             )
@@ -202,7 +295,7 @@ def search_scale(
             for step in range(grid):
                 scales = candidate_scales(x_mean, step / grid)
                 for name, weight in originals.items():
-                    quantized = fake_quantize(weight * scales[None, :], group_size, symmetric)
+                    quantized = fake_quantize_rtn(weight * scales[None, :], group_size, symmetric)
                     group.linears[name].weight.data.copy_(quantized / scales[None, :])
                 losses.append(
                     sum(
@@ -217,20 +310,14 @@ def search_scale(
     return candidate_scales(x_mean, best / grid), best / grid
 
 
-def search_clip(weight: Any, gram: Any, group_size: int, symmetric: bool, chunk: int = 4096) -> Any:
+def search_clip(weight: Any, blocks: Any, group_size: int, symmetric: bool, chunk: int = 4096) -> Any:
     """Per (output row, group) the clipping bound of |w|, ``max|w| * (1 - i/20)`` for ``i`` in
     ``0..9`` (llm-awq), minimising the group's partial-output MSE; exact over every calibration
-    token through the diagonal blocks of the inputs' Gram matrix ``gram``."""
+    token through ``blocks`` ``[G, gs, gs]``, the diagonal blocks of the inputs' Gram matrix."""
     import torch
 
     out_features, in_features = weight.shape
     groups = in_features // group_size
-    blocks = torch.stack(
-        [
-            gram[g * group_size : (g + 1) * group_size, g * group_size : (g + 1) * group_size]
-            for g in range(groups)
-        ]
-    )  # [G, gs, gs]
     best_max = torch.empty(out_features, groups, device=weight.device)
     for start in range(0, out_features, chunk):
         w = weight[start : start + chunk].float().reshape(-1, groups, group_size)  # [oc, G, gs]
@@ -296,7 +383,9 @@ def layer_groups(layer: Any, inputs: LayerInputs) -> tuple[list[ScaleGroup], lis
 class AwqPass(TorchInt4Pass):
     Config = AwqConfig
     name = "awq"
-    version = 2  # 2: streamed, the output written in shards (same tensors)
+    # 2: streamed, the output written in shards (same tensors); 3: the linear objective on an
+    # error sketch of at most sketch_rows rows, clip blocks accumulated on their own
+    version = 3
     algorithm = "awq"
 
     def _search_batches(self, total: int) -> int:
@@ -328,9 +417,15 @@ class AwqPass(TorchInt4Pass):
                 check_finite(x, "input activations", prefix + next(iter(group.linears)), dataset)
         clipped = {n for g in groups for n in g.quantized if cfg.clip and not n.endswith(NO_CLIP)}
         for group in groups:
-            if group.block is None or cfg.objective == Objective.linear or clipped & set(group.quantized):
-                group.gram = gram_matrix(group.inputs)
-                check_finite(group.gram, "input Gram matrix", prefix + next(iter(group.linears)), dataset)
+            searched = bool(group.quantized) and group.prev is not None
+            scored = searched and (group.block is None or cfg.objective == Objective.linear)
+            clips = bool(clipped & set(group.quantized))
+            if scored or clips:
+                group.stats = input_stats(
+                    group.inputs, cfg.sketch_rows if scored else None, cfg.group_size if clips else None
+                )
+                for tensor in group.stats.tensors():
+                    check_finite(tensor, "input statistics", prefix + next(iter(group.linears)), dataset)
         chosen = {}
         for group in groups:  # all searches on the unscaled layer, then all folds (llm-awq)
             if group.quantized and group.prev is not None:
@@ -341,14 +436,16 @@ class AwqPass(TorchInt4Pass):
             if group.name in chosen:
                 scales = chosen[group.name][0]
                 fold_scales(group.prev, list(group.linears.values()), scales)
-                if group.gram is not None:  # the inputs are now x / s
-                    group.gram = group.gram / (scales[:, None] * scales[None, :])
+                if group.stats is not None:  # the inputs are now x / s
+                    group.stats = group.stats.rescaled(scales)
         results = {}
         for group in groups:
             for name in group.quantized:
                 linear = group.linears[name]
                 if name in clipped:
-                    bound = search_clip(linear.weight.data, group.gram, cfg.group_size, cfg.symmetric)
+                    bound = search_clip(
+                        linear.weight.data, group.stats.clip_blocks, cfg.group_size, cfg.symmetric
+                    )
                     apply_clip(linear.weight, bound, cfg.group_size)
                 quantized = quantize_rtn(linear.weight.data, cfg.group_size, cfg.symmetric)
                 linear.weight.data.copy_(quantized.dequantize())

@@ -11,11 +11,11 @@ import torch
 from calibration.datasets import CalibrationConfig, token_windows
 from passes.awq import (
     AwqPass,
+    ErrorForm,
     ScaleGroup,
     fold_scales,
-    gram_matrix,
+    input_stats,
     layer_groups,
-    linear_error,
     search_clip,
     search_scale,
 )
@@ -96,21 +96,61 @@ def outlier_inputs(tokens: int = 512, width: int = 128) -> torch.Tensor:
     return x
 
 
-def test_gram_error_is_the_linear_output_mse() -> None:
-    x = outlier_inputs().reshape(-1, 128)
+@pytest.mark.parametrize(
+    ("tokens", "sketch_rows", "form"),
+    [(256, 0, ErrorForm.gram), (256, 128, ErrorForm.gram), (24, 64, ErrorForm.tokens)],
+)
+def test_exact_error_forms_are_the_linear_output_mse(tokens: int, sketch_rows: int, form: ErrorForm) -> None:
+    x = outlier_inputs()[:, :tokens]  # width 128
     delta = torch.randn(16, 128, generator=torch.Generator().manual_seed(1)) * 0.01
-    direct = float((x @ delta.T).pow(2).sum(-1).mean())
-    assert linear_error(delta, gram_matrix([x])) == pytest.approx(direct, rel=1e-4)
+    direct = float((x.reshape(-1, 128) @ delta.T).pow(2).sum(-1).mean())
+    stats = input_stats([x[0], x[1]], sketch_rows, None)
+    assert stats.form == form
+    assert stats.error(delta) == pytest.approx(direct, rel=1e-4)
+    assert stats.error(delta, chunk=5) == pytest.approx(direct, rel=1e-4)  # output rows in chunks
 
 
-@pytest.mark.parametrize("through_gram", [False, True])
-def test_scale_search_beats_round_to_nearest(through_gram: bool) -> None:
+def test_sketched_error_is_unbiased_and_repeatable() -> None:
+    """64 rows for 512 tokens of width 128: no exact form is cheap enough, so a CountSketch."""
+    x = outlier_inputs()
+    delta = torch.randn(16, 128, generator=torch.Generator().manual_seed(1)) * 0.01
+    direct = float((x.reshape(-1, 128) @ delta.T).pow(2).sum(-1).mean())
+    estimates = torch.tensor([input_stats([x], 64, None, seed=seed).error(delta) for seed in range(200)])
+    assert input_stats([x], 64, None).form == ErrorForm.sketch
+    assert input_stats([x], 64, None).error(delta) == input_stats([x], 64, None).error(delta)
+    assert float(estimates.mean()) == pytest.approx(direct, rel=0.03)  # 200 draws: std of the mean ~1 %
+    assert float(estimates.std()) / direct < 0.2  # measured 0.076
+
+
+@pytest.mark.parametrize(("tokens", "sketch_rows"), [(256, 0), (256, 64), (24, 64)])
+def test_rescaled_statistics_are_those_of_the_scaled_inputs(tokens: int, sketch_rows: int) -> None:
+    x = outlier_inputs()[:, :tokens]
+    scales = torch.rand(128, generator=torch.Generator().manual_seed(4)) + 0.5
+    folded = input_stats([x[0], x[1]], sketch_rows, 32).rescaled(scales)
+    direct = input_stats([x[0] / scales, x[1] / scales], sketch_rows, 32)
+    for got, want in zip(folded.tensors(), direct.tensors(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_clip_blocks_are_the_gram_diagonal_blocks() -> None:
+    x = outlier_inputs()
+    stats = input_stats([x[0], x[1]], 0, 32)
+    for g in range(4):
+        window = slice(32 * g, 32 * (g + 1))
+        torch.testing.assert_close(stats.clip_blocks[g], stats.gram[window, window], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("objective", ["block", "gram", "sketch"])
+def test_scale_search_beats_round_to_nearest(objective: str) -> None:
     x = outlier_inputs()
     linear = torch.nn.Linear(128, 48, bias=False)
     torch.nn.init.normal_(linear.weight, std=0.05, generator=torch.Generator().manual_seed(2))
     original = linear.weight.detach().clone()
-    block = None if through_gram else (lambda v, _b: linear(v))
+    block = (lambda v, _b: linear(v)) if objective == "block" else None
     group = ScaleGroup("g", Gain(128), {"fc": linear}, ["fc"], [x[0], x[1]], block)
+    if objective == "sketch":
+        group.stats = input_stats(group.inputs, 64, None)
+        assert group.stats.form == ErrorForm.sketch
     with torch.no_grad():
         scales, ratio = search_scale(group, 20, 32, False, batches=2)
         assert torch.equal(linear.weight, original)  # the search leaves the weights as they were
@@ -126,7 +166,7 @@ def test_clip_search_never_increases_the_group_error() -> None:
     x = outlier_inputs().reshape(-1, 128)[:, 6:70]  # no outliers: clipping has something to win
     weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(3)) * 0.05
     weight[0, 0] = 1.0  # one outlier weight stretches its group's range
-    bound = search_clip(weight, gram_matrix([x]), 32, False)
+    bound = search_clip(weight, input_stats([x], None, 32).clip_blocks, 32, False)
     assert bound.shape == (32, 2) and bool((bound <= weight.view(32, 2, 32).abs().amax(-1) + 1e-7).all())
     clipped = torch.maximum(torch.minimum(weight.view(32, 2, 32), bound[..., None]), -bound[..., None])
     error = (x @ quantize_rtn(clipped.reshape(32, 64), 32, False).dequantize().T - x @ weight.T).pow(2).mean()
@@ -193,7 +233,11 @@ def test_awq_quantizes_the_untied_head_through_the_final_norm(tiny_source: Artif
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
-    [({"grid": 0}, r"quant.grid=0"), ({"search_samples": -1}, r"quant.search_samples=-1")],
+    [
+        ({"grid": 0}, r"quant.grid=0"),
+        ({"search_samples": -1}, r"quant.search_samples=-1"),
+        ({"sketch_rows": -1}, r"quant.sketch_rows=-1"),
+    ],
 )
 def test_awq_config_errors(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
