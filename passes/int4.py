@@ -196,8 +196,11 @@ def quantize_codes(weight: Any, scales: Any, zeros: Any, group_size: int) -> Any
 
 
 def dequantize(codes: Any, scales: Any, zeros: Any, group_size: int) -> Any:
-    grouped = codes.float().reshape(codes.shape[0], -1, group_size)
-    return ((grouped - zeros.float()[..., None]) * scales.float()[..., None]).reshape(codes.shape)
+    """``(codes - zeros) * scales`` per group, float32, in place on one new temporary."""
+    import torch
+
+    grouped = codes.to(torch.float32, copy=True).reshape(codes.shape[0], -1, group_size)
+    return grouped.sub_(zeros.float()[..., None]).mul_(scales.float()[..., None]).reshape(codes.shape)
 
 
 def quantize_rtn(weight: Any, group_size: int, symmetric: bool) -> QuantizedLinear:

@@ -20,7 +20,7 @@ from onnx import TensorProto, numpy_helper
 from passes.export import ExportPass
 from passes.gptq import GptqPass
 from passes.int4 import EXTRAS_DIR, INFO_FILE, INT4_DIR, PARAMS_FILE, quantize_rtn
-from passes.matmulnbits import DATA_FILE, MODEL_FILE, Int4LoweringPass
+from passes.matmulnbits import DATA_FILE, MODEL_FILE, Int4LoweringPass, transposed
 from pipeline.artifacts import Artifact, Kind
 from pipeline.errors import ConfigError, PassError
 from pipeline.graph_io import load_proto
@@ -84,6 +84,15 @@ def logits(folder: Path, **session_config: str) -> np.ndarray:
 def initializers(folder: Path) -> dict[str, onnx.TensorProto]:
     model = onnx.load(str(folder / MODEL_FILE), load_external_data=False)
     return {init.name: init for init in model.graph.initializer}
+
+
+@pytest.mark.parametrize("band_bytes", [4, 300, 1 << 20])
+def test_transposed_reads_a_mapped_weight_in_bands(tmp_path: Path, band_bytes: int) -> None:
+    weight_t = np.random.default_rng(0).standard_normal((37, 23)).astype(np.float32)
+    np.save(tmp_path / "w.npy", weight_t)
+    mapped = np.load(tmp_path / "w.npy", mmap_mode="r")  # [in, out] as the graph stores it
+    out = transposed(mapped, band_bytes=band_bytes)  # one row a band, a few, all of them
+    assert out.is_contiguous() and torch.equal(out, torch.from_numpy(weight_t.T.copy()))
 
 
 def test_matmulnbits_placement_and_types(quantized: dict[str, Artifact]) -> None:
