@@ -238,7 +238,7 @@ def input_stats(
             sign = (torch.randint(2, (count,), generator=generator) * 2 - 1).to(device, torch.float32)
             rows.index_add_(0, bucket, flat * sign[:, None])
         if blocks is not None:
-            grouped = flat.view(count, -1, group_size).transpose(0, 1)  # [G, count, gs]
+            grouped = flat.reshape(count, -1, group_size).transpose(0, 1)  # [G, count, gs]
             blocks.baddbmm_(grouped.transpose(1, 2), grouped)
         filled += count
     return InputStats(
