@@ -258,8 +258,8 @@ def transposed(weight_t: np.ndarray, band_bytes: int = 32 << 20) -> Any:
     """``weight_t.T`` as a contiguous float32 torch tensor, for a memory-mapped ``weight_t``: read
     in file order, ``band_bytes`` of rows at a time, each band transposed by torch's blocked 2-D
     copy. ``np.ascontiguousarray(weight_t.T)`` reads the map a column at a time and slows down as
-    the weight grows (measured: 3.0 ns a weight for 960 x 2560, 11.4 for 3072 x 8192, 15.5 for
-    the 3B head's 3072 x 49152, where this stays at 6.5-7.5)."""
+    the weight grows (measured in memory: 3.0 ns a weight for 960 x 2560, 11.4 for 3072 x 8192,
+    15.5 for the 3B head's 3072 x 49152, where this stays at 6.5-7.5)."""
     import torch
 
     rows, columns = weight_t.shape
