@@ -220,7 +220,7 @@ def input_stats(
     gram = torch.zeros(width, width, device=device) if form == ErrorForm.gram else None
     rows = None
     if form in (ErrorForm.tokens, ErrorForm.sketch):
-        rows = torch.zeros(min(tokens, sketch_rows or tokens), width, device=device)
+        rows = torch.zeros(min(tokens, sketch_rows), width, device=device)  # sketch_rows > 0 here
     blocks = None
     if group_size:
         blocks = torch.zeros(width // group_size, group_size, group_size, device=device)
