@@ -55,6 +55,7 @@ CALIBRATION_BATCH = 8
 PARITY_TOKENS = 64  # the parity checks' prefill (prompt plus decode steps), tokens
 RESOURCE_KEYS = ("cpu_seconds", "peak_rss_bytes", "gpu_peak_bytes", "estimate_bytes")
 SAMPLE_INTERVAL_S = 0.02
+HWM_RESET_SLACK_KIB = 16 * 1024  # a reset mark may trail RSS by what another thread freed meanwhile
 MEMINFO = Path("/proc/meminfo")
 CLEAR_REFS = Path("/proc/self/clear_refs")  # writing "5" resets VmHWM (Linux >= 4.0)
 CGROUP_MAX = Path("/sys/fs/cgroup/memory.max")
@@ -433,13 +434,20 @@ def _check_gpu(passes: list[Pass], estimates: list[Estimate]) -> None:
 
 
 def _status_kib(field_name: str) -> int | None:
+    return _status_fields(field_name).get(field_name)
+
+
+def _status_fields(*field_names: str) -> dict[str, int]:
+    """The named ``/proc/self/status`` fields (KiB), all from one read; missing ones left out."""
+    found: dict[str, int] = {}
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
+            name, _, rest = line.partition(":")
+            if name in field_names:
+                found[name] = int(rest.split()[0])
     except (OSError, ValueError, IndexError):
-        return None
-    return None
+        return {}
+    return found
 
 
 def _rss_bytes() -> int | None:
@@ -468,13 +476,20 @@ def _lifetime_peak_bytes() -> int | None:
 
 
 def _reset_high_water_mark() -> bool:
-    """Reset the kernel's VmHWM to the current RSS (Linux >= 4.0); False where refused."""
+    """Reset the kernel's VmHWM to the current RSS (Linux >= 4.0); False where refused or ignored.
+
+    Some sandboxes accept the write and keep the lifetime mark, so the reset is checked: right
+    after it, VmHWM must sit at VmRSS (within ``HWM_RESET_SLACK_KIB`` for pages another thread
+    freed in between). A mark that still sits at the current RSS is exact either way."""
     try:
         with open(CLEAR_REFS, "w") as handle:
             handle.write("5")
     except OSError:
         return False
-    return _status_kib("VmHWM") is not None
+    fields = _status_fields("VmHWM", "VmRSS")
+    if len(fields) < 2:
+        return False
+    return fields["VmHWM"] <= fields["VmRSS"] + HWM_RESET_SLACK_KIB
 
 
 def _cpu_seconds() -> float:
