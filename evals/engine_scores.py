@@ -22,8 +22,10 @@ def lm_eval_scores(
     rank_metric: str = "acc_norm",
     limit: int | None = None,
     threads: int = 0,
+    chat: bool = False,
 ) -> list[ItemScore]:
-    """0/1 per item: ``rank_metric`` of the ranking task, or ``acc`` of the generative one."""
+    """0/1 per item: ``rank_metric`` of the ranking task, or ``acc`` of the generative one;
+    ``chat``: each item's prompt as one user turn of the tokenizer's chat template, else raw."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -35,7 +37,7 @@ def lm_eval_scores(
     task = task_name(suite, scoring, size)
     log.info("eval: %s on %s", task, engine)
     results = simple_evaluate(
-        model=EngineLM(engine=str(engine), threads=threads),
+        model=EngineLM(engine=str(engine), threads=threads, chat=chat),
         tasks=[task],
         limit=limit,
         log_samples=True,

@@ -4,8 +4,11 @@ Each engine is scored item by item (``ScoreFn``: 0/1 per item, keyed by item id 
 content hash); the two lists are paired by id, and a pair whose hashes differ is an error (the
 suite changed between the two scorings). Per suite, ``evals/stats.py`` gives the paired
 bootstrap CI of the score difference, McNemar's exact test and the recovery, and the suite's
-thresholds give PASS or FAIL; the gate FAILs when any suite does. The token-level KL of the
-run's quality record (held-out text) joins every suite's rule as ``max_kl``.
+thresholds give PASS (non-inferiority shown), FAIL (a regression shown) or INCONCLUSIVE
+(neither), with the suite's resolution: the smallest drop it detects and the items that would
+settle it. The token-level drift of the run's quality record (held-out KL, top-1 agreement,
+perplexity ratio; ``evals/drift.py``) is judged against its recipe family's bounds. The gate
+FAILs when any suite or the drift rule does, else is INCONCLUSIVE when any is, else PASSes.
 
 Scores of one engine on one suite depend only on the engine's content, the frozen suite and the
 scoring settings, so they are cached by those (the baseline of a nightly matrix is scored once).
@@ -21,12 +24,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from evals.stats import GateThresholds, compare_suite, verdict
+from evals.drift import DriftRule, judge_drift
+from evals.stats import FAIL, INCONCLUSIVE, PASS, GateThresholds, compare_suite, resolution, verdict
 from pipeline.cache import load_record, write_record
 
 log = logging.getLogger(__name__)
 
-PASS, FAIL = "PASS", "FAIL"
+OUTCOMES = (PASS, INCONCLUSIVE, FAIL)  # best first: the gate's outcome is its worst row's
 
 
 class GateError(ValueError):
@@ -75,19 +79,38 @@ def judge_suite(
     baseline: Sequence[ItemScore],
     candidate: Sequence[ItemScore],
     thresholds: GateThresholds,
-    kl: float | None = None,
     confidence: float = 0.95,
     resamples: int = 10_000,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """One row of the gate table: scores, difference with CI, McNemar, recovery, verdict."""
+    """One row of the gate table: scores, difference with CI, McNemar, recovery, verdict, and the
+    suite's resolution (minimum detectable drop, items needed) at its measured discordance."""
     base, cand = pair_scores(suite, baseline, candidate)
     comparison = compare_suite(base, cand, confidence=confidence, resamples=resamples, seed=seed)
-    outcome, reasons = verdict(comparison, thresholds, kl)
+    outcome, reasons = verdict(comparison, thresholds)
     row = asdict(comparison)
     row["p_value"] = comparison.mcnemar.p_value if comparison.mcnemar else None
+    sized = None
+    if 0.0 < thresholds.max_drop <= 1.0:  # a margin of 0 (or above the scale) sizes nothing
+        sized = resolution(base, cand, thresholds.max_drop, alpha=1.0 - confidence)
+    row["resolution"] = asdict(sized) if sized else None
+    if outcome == INCONCLUSIVE and sized is not None:
+        reasons.append(
+            f"at its discordance this suite detects drops of {sized.minimum_detectable_drop:.3f} or more "
+            f"({sized.power:.0%} power); about {sized.items_needed} items would settle "
+            f"max_drop={thresholds.max_drop:g} (it has {comparison.n}): run eval=full, or raise eval.limit"
+        )
     row.update({"verdict": outcome, "reasons": reasons, "thresholds": asdict(thresholds)})
     return row
+
+
+def overall(rows: dict[str, dict[str, Any]]) -> tuple[str, str]:
+    """The gate's verdict and one-line reason from its rows (suites, and the ``drift`` row)."""
+    worst = max((row["verdict"] for row in rows.values()), key=OUTCOMES.index, default=PASS)
+    if worst == PASS:
+        return PASS, f"{len(rows)} rule(s) within thresholds"
+    named = [name for name, row in rows.items() if row["verdict"] == worst]
+    return worst, "; ".join(f"{name}: {rows[name]['reasons'][0]}" for name in named)
 
 
 def suite_settings(settings: dict[str, Any], suite: str) -> dict[str, Any]:
@@ -130,14 +153,17 @@ def run_gate(
     thresholds: dict[str, GateThresholds],
     score_fn: ScoreFn,
     settings: dict[str, Any],
-    kl: float | None = None,
+    drift: tuple[str, DriftRule] | None = None,
+    quality: dict[str, Any] | None = None,
     cache_dir: Path | None = None,
     confidence: float = 0.95,
     resamples: int = 10_000,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Score both engines (folder, content digest) on every suite and judge each; the record the
-    run manifest keeps as ``gate``. ``settings`` (suite size, scoring, ...) key the score cache."""
+    """Score both engines (folder, content digest) on every suite and judge each, and judge the
+    token-level drift of ``quality`` (the held-out comparison with the reference) by the rule of
+    the recipe's family (``drift``: family, rule; None: the suites alone); the record the run
+    manifest keeps as ``gate``. ``settings`` (suite size, scoring, ...) key the score cache."""
     rows: dict[str, dict[str, Any]] = {}
     for suite in suites:
         base = cached_scores(score_fn, baseline[0], baseline[1], suite, settings, cache_dir)
@@ -145,19 +171,16 @@ def run_gate(
             cand = base  # the same engine: scored once
         else:
             cand = cached_scores(score_fn, candidate[0], candidate[1], suite, settings, cache_dir)
-        rows[suite] = judge_suite(suite, base, cand, thresholds[suite], kl, confidence, resamples, seed)
-    failed = [suite for suite, row in rows.items() if row["verdict"] == FAIL]
-    reason = (
-        "; ".join(f"{suite}: {rows[suite]['reasons'][0]}" for suite in failed)
-        if failed
-        else f"{len(rows)} suite(s) within thresholds"
-    )
+        rows[suite] = judge_suite(suite, base, cand, thresholds[suite], confidence, resamples, seed)
+    token_row = judge_drift(quality, drift[1], drift[0]) if drift else None
+    outcome, reason = overall({**rows, **({"token drift": token_row} if token_row else {})})
     return {
-        "verdict": FAIL if failed else PASS,
+        "verdict": outcome,
         "reason": reason,
         "suites": rows,
+        "drift": token_row,
         "settings": settings,
-        "kl": kl,
+        "kl": ((token_row or {}).get("measured") or {}).get("kl"),
         "baseline": baseline[1],
         "candidate": candidate[1],
         "same_engine": candidate[1] == baseline[1],

@@ -17,12 +17,15 @@ the command line, ``python -m evals.tasks --model pipeline-engine --model_args e
   runs one context at a time: the context is run once and its KV cache shared by every
   candidate continuation, which is what multiple-choice ranking needs.
 - ``chat``: wrap each request's context in the tokenizer's chat template as one user turn,
-  so the continuation (ranking) or the generation starts the assistant turn; default: on when
-  the tokenizer has a template, off (raw prompt) when it has none. With ``chat`` on, a
-  continuation's leading whitespace is dropped (the answer opens the assistant turn; lm-eval
-  does the same with ``--apply_chat_template``). Contexts that lm-eval already rendered with
-  this model's ``apply_chat_template`` (``--apply_chat_template``) are never wrapped twice.
-  ``loglikelihood_rolling`` (perplexity) always scores raw text.
+  so the continuation (ranking) or the generation starts the assistant turn. Default: off, raw
+  prompts, lm-eval's convention for every model (its ``hf`` model templates only under
+  ``--apply_chat_template``), so the same task gives the same log-likelihoods through
+  ``--model hf`` and ``--model pipeline-engine``. With ``chat`` on, a continuation's leading
+  whitespace is dropped (the answer opens the assistant turn; lm-eval does the same with
+  ``--apply_chat_template``). Contexts that lm-eval already rendered with this model's
+  ``apply_chat_template`` (``--apply_chat_template``) are never wrapped twice. The eval gate
+  sets ``chat`` explicitly (``eval.chat``) and records it. ``loglikelihood_rolling``
+  (perplexity) always scores raw text.
 - ``max_length``: token limit (default and ceiling: the engine's ``max_length``).
 - ``max_gen_toks``: default new-token limit for generation (a task's ``max_gen_toks`` wins).
 - ``overflow``: ``error`` (default: a request longer than ``max_length`` stops the run with a
@@ -142,7 +145,7 @@ class EngineLM(TemplateLM):
             raise EngineError(f"model_args overflow={overflow!r}: use one of {', '.join(OVERFLOW)}")
         self.overflow = overflow
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
-        self.chat = has_template if chat in (None, "") else _as_bool(chat, "chat")
+        self.chat = False if chat in (None, "") else _as_bool(chat, "chat")
         if self.chat and not has_template:
             raise EngineError(f"{self.engine.folder}: chat=true but its tokenizer has no chat template")
         self._rendered: set[str] = set()  # contexts rendered by apply_chat_template (lm-eval's own)
@@ -169,6 +172,13 @@ class EngineLM(TemplateLM):
         if self.tokenizer.eos_token_id is None:
             raise EngineError(f"{self.engine.folder}: no end-of-sequence token in engine.json or tokenizer")
         return int(self.tokenizer.eos_token_id)
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context is scored after: the tokenizer's BOS, else the end-of-text token,
+        as lm-eval's ``hf`` model does (``TemplateLM``'s own default is the end-of-text token)."""
+        bos = self.tokenizer.bos_token_id
+        return int(bos) if bos is not None else self.eot_token_id
 
     @property
     def tokenizer_name(self) -> str:
@@ -221,10 +231,12 @@ class EngineLM(TemplateLM):
 
     # ------------------------------------------------------------------ scoring
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """``(log P(continuation | context), greedy)`` per request. A chat-templated context keeps
-        its trailing newline (the assistant turn's opening) and the continuation loses its leading
-        whitespace; a raw context is split as lm-eval does (trailing spaces move to the
-        continuation)."""
+        """``(log P(continuation | context), greedy)`` per request, split as lm-eval's ``hf`` model
+        splits it (``TemplateLM._encode_pair``: the context's trailing whitespace moves to the
+        continuation; an empty context is scored after ``prefix_token_id``). Under a chat template
+        the continuation loses its leading whitespace, as lm-eval drops the target delimiter
+        under ``--apply_chat_template``, and the newline that opens the assistant turn is scored
+        with it, as there."""
         encoded = []
         for request in requests:
             context, continuation = request.args[:2]
@@ -233,9 +245,7 @@ class EngineLM(TemplateLM):
                 context, templated = self.wrap(context), True
             if templated:
                 continuation = continuation.lstrip()
-                context_enc = self.tok_encode(context)
-                continuation_enc = self.tok_encode(context + continuation)[len(context_enc) :]
-            elif context == "":
+            if context == "":
                 continuation_enc = self.tok_encode(continuation)
                 if continuation_enc and continuation_enc[0] == self.prefix_token_id:
                     context_enc, continuation_enc = continuation_enc[:1], continuation_enc[1:]

@@ -15,8 +15,9 @@ so every comparison here keeps each item's pair of scores together.
   1968): how many paired binary items a suite needs to detect a given drop; see
   ``items_needed``.
 - Recovery: candidate score / baseline score, the figure the field reports for compressed
-  models; and the PASS/FAIL rules of the gate over all of these (``GateThresholds``,
-  ``verdict``).
+  models; and the PASS / FAIL / INCONCLUSIVE rules of the gate over all of these
+  (``GateThresholds``, ``verdict``), with the suite's resolution (``resolution``: the smallest
+  drop it detects, and how many items would settle an INCONCLUSIVE).
 
 Data only: numbers in, numbers and dataclasses out. Nothing here runs an engine.
 """
@@ -186,6 +187,12 @@ def compare_suite(
     )
 
 
+PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
+# Power of the resolution figures (``resolution``): the field's usual 80% (Cohen, *Statistical
+# Power Analysis for the Behavioral Sciences*, 1988).
+POWER = 0.8
+
+
 @dataclass(frozen=True)
 class GateThresholds:
     """The rules one suite must meet. Scores are on the suite's 0..1 scale (e.g. accuracy).
@@ -197,70 +204,144 @@ class GateThresholds:
     interval must rule out a large drop.
     """
 
-    # Non-inferiority margin, absolute: FAIL when the CI's lower bound is below -max_drop (a drop
-    # larger than this cannot be ruled out). 0.05 is one a suite of a few hundred items can
-    # resolve: an equally good candidate has ci_low ~ d_hat - 1.96 SE, and it passes about 97% of
-    # the time when max_drop >= (1.96 + 1.96) SE, i.e. n >= 15.4 * discordance / max_drop**2:
-    # ~310 items at 5% discordant pairs, ~615 at 10%. At 0.03 it would take ~855 and ~1710, and a
-    # 300-item suite would fail an equally good candidate about a third of the time. Tighten it
-    # per suite, in config, for large suites (``items_needed`` sizes one).
+    # Non-inferiority margin, absolute: PASS needs the CI's lower bound at or above -max_drop (a
+    # drop larger than this ruled out). 0.05 is one a suite of a few hundred items can resolve:
+    # an equally good candidate has ci_low ~ d_hat - 1.96 SE, and it passes about 97% of the time
+    # when max_drop >= (1.96 + 1.96) SE, i.e. n >= 15.4 * discordance / max_drop**2: ~310 items
+    # at 5% discordant pairs, ~615 at 10%. At 0.03 it would take ~855 and ~1710, and a 300-item
+    # suite would leave an equally good candidate INCONCLUSIVE about a third of the time. Tighten
+    # it per suite, in config, for large suites (``items_needed`` sizes one).
     max_drop: float = 0.05
     # Point-estimate floor on candidate/baseline, llm-compressor's 95%. A 99% floor (MLPerf, Neural
     # Compressor) is only stable on suites of thousands of items: at a score of 0.6 on 300 items
     # with 5% discordance, the recovery of an equally good candidate has a standard error of
-    # ~0.02, so a 0.99 floor fails it ~30% of the time and 0.95 ~1%. Raise it per suite where the
-    # suite is large enough.
+    # ~0.02, so a 0.99 floor misses it ~30% of the time and 0.95 ~1%. Raise it per suite where
+    # the suite is large enough.
     min_recovery: float = 0.95
-    # Mean KL(baseline || candidate) of next-token distributions, nats per token. Off by default:
-    # there is no field-standard bar, and its scale depends on the model, vocabulary and text;
-    # set it per model in config once the baseline's own run-to-run KL is known.
-    max_kl: float | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.max_drop) and self.max_drop >= 0):
             raise ValueError(f"max_drop={self.max_drop} must be a finite, non-negative score difference")
         if not (math.isfinite(self.min_recovery) and self.min_recovery >= 0):
             raise ValueError(f"min_recovery={self.min_recovery} must be a finite, non-negative ratio")
-        if self.max_kl is not None and not (math.isfinite(self.max_kl) and self.max_kl >= 0):
-            raise ValueError(f"max_kl={self.max_kl} must be None or a finite, non-negative KL")
 
 
-def verdict(
-    comparison: SuiteComparison, thresholds: GateThresholds, kl: float | None = None
-) -> tuple[str, list[str]]:
-    """``("PASS" | "FAIL", reasons)`` for one suite.
+def verdict(comparison: SuiteComparison, thresholds: GateThresholds) -> tuple[str, list[str]]:
+    """``(PASS | FAIL | INCONCLUSIVE, reasons)`` for one suite: a three-outcome design
+    (non-inferiority shown, a regression shown, neither), as in three-outcome trial designs
+    (Sargent, Chan & Goldberg, Controlled Clinical Trials 22, 2001).
 
-    FAIL when the CI's lower bound is below ``-max_drop``, when recovery is below
-    ``min_recovery``, or when ``max_kl`` is set and ``kl`` exceeds it (or was not measured:
-    the gate fails closed). On FAIL the reasons are the broken rules; on PASS, one line per rule
-    checked.
+    - PASS: non-inferiority shown: the CI's lower bound is at or above ``-max_drop`` and the
+      recovery meets ``min_recovery``.
+    - FAIL: a regression shown: the drop is significant and its point estimate is beyond what
+      the thresholds allow (a drop larger than ``max_drop``, or a recovery below
+      ``min_recovery``). Significant: for right/wrong scores, McNemar's exact test at level
+      1 - confidence with more pairs lost than gained (the percentile bootstrap is too liberal
+      with a handful of discordant pairs: 7 lost and 1 gained of 48 items puts its 95% upper
+      bound at -0.021, where the exact p is 0.070); for other scores, the CI's upper bound
+      below 0.
+    - INCONCLUSIVE: neither; the suite is too small, at the measured discordance, to tell (see
+      ``resolution`` for how many items would).
+
+    The reasons are the rules' lines: on FAIL the broken ones, on INCONCLUSIVE what is missing
+    for either side, on PASS one line per rule.
     """
-    failed: list[str] = []
-    held: list[str] = []
     ci = (
         f"difference {comparison.difference:+.4f}, {comparison.confidence:.0%} CI "
         f"[{comparison.ci_low:+.4f}, {comparison.ci_high:+.4f}] over {comparison.n} items"
     )
-    if comparison.ci_low < -thresholds.max_drop:
-        failed.append(f"{ci}: a drop larger than max_drop={thresholds.max_drop:g} cannot be ruled out")
-    else:
-        held.append(f"{ci}: rules out a drop larger than max_drop={thresholds.max_drop:g}")
     rec = (
         f"recovery {comparison.recovery:.4f} (candidate {comparison.candidate_mean:.4f} / "
         f"baseline {comparison.baseline_mean:.4f})"
     )
-    if not comparison.recovery >= thresholds.min_recovery:  # NaN fails
-        failed.append(f"{rec} is below min_recovery={thresholds.min_recovery:g}")
+    ruled_out = comparison.ci_low >= -thresholds.max_drop
+    recovered = comparison.recovery >= thresholds.min_recovery  # NaN: not recovered
+    if ruled_out and recovered:
+        return PASS, [
+            f"{ci}: rules out a drop larger than max_drop={thresholds.max_drop:g}",
+            f"{rec} meets min_recovery={thresholds.min_recovery:g}",
+        ]
+    test = comparison.mcnemar
+    if test is not None:
+        significant = test.b > test.c and test.p_value < 1.0 - comparison.confidence
     else:
-        held.append(f"{rec} meets min_recovery={thresholds.min_recovery:g}")
-    if thresholds.max_kl is not None:
-        if kl is None or not math.isfinite(kl):
-            failed.append(f"max_kl={thresholds.max_kl:g} is set but no valid KL was measured (kl={kl})")
-        elif kl > thresholds.max_kl:
-            failed.append(f"KL {kl:.4g} exceeds max_kl={thresholds.max_kl:g}")
+        significant = comparison.ci_high < 0.0
+    beyond: list[str] = []
+    if comparison.difference < -thresholds.max_drop:
+        beyond.append(f"{ci}: a significant drop larger than max_drop={thresholds.max_drop:g}")
+    if not recovered:
+        beyond.append(f"{rec} is below min_recovery={thresholds.min_recovery:g}, and the drop is significant")
+    if significant and beyond:
+        return FAIL, beyond
+    missing = []
+    if not ruled_out:
+        missing.append(f"{ci}: a drop larger than max_drop={thresholds.max_drop:g} is not ruled out")
+    if not recovered:
+        missing.append(f"{rec} is below min_recovery={thresholds.min_recovery:g}")
+    missing.append(
+        "no regression is shown either (the drop is not significant)"
+        if not significant
+        else f"the drop is significant but within max_drop={thresholds.max_drop:g} and min_recovery"
+    )
+    return INCONCLUSIVE, missing
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """How fine a suite could see, at the discordance it measured (``resolution``)."""
+
+    discordance: float | None  # share of discordant pairs (binary scores), else None
+    score_sd: float  # standard deviation of the per-item differences
+    minimum_detectable_drop: float  # at this suite's size, ``alpha`` and ``power``
+    items_needed: int  # items at which a drop of max_drop is detected, and an equal candidate passes
+    alpha: float
+    power: float
+
+
+def resolution(
+    baseline: Sequence[float],
+    candidate: Sequence[float],
+    max_drop: float,
+    alpha: float = 0.05,
+    power: float = POWER,
+) -> Resolution:
+    """The smallest drop this suite detects (two-sided ``alpha``, ``power``) and the number of
+    items at which a drop of ``max_drop`` is detected, at the measured discordance.
+
+    Binary scores use McNemar's sample size (``items_needed``, Connor 1987) with the measured
+    share of discordant pairs psi, taken at least as large as the drop (a drop of d needs a
+    share d of discordant pairs); the minimum detectable drop is the smallest d whose
+    ``items_needed(d, max(psi, d))`` fits the suite. Other scores use the paired normal
+    approximation with the differences' standard deviation s: d = (z_{1-alpha/2} + z_power) s /
+    sqrt(n) and n = ((z_{1-alpha/2} + z_power) s / max_drop)^2. The same n is, to the same
+    approximation, where an equally good candidate's CI clears ``-max_drop`` with that power:
+    the number of items that resolves an INCONCLUSIVE suite either way.
+    """
+    base, cand = _paired(baseline, candidate)
+    if not 0.0 < max_drop <= 1.0:
+        raise ValueError(f"max_drop={max_drop} must lie in (0, 1] to size a suite")
+    diffs = cand - base
+    n = int(diffs.size)
+    sd = float(diffs.std(ddof=1)) if n > 1 else 0.0
+    if _is_binary(base) and _is_binary(cand):
+        psi = float(np.count_nonzero(diffs)) / n
+        needed = items_needed(max_drop, max(psi, max_drop), alpha, power)
+        low, high = 0.0, 1.0
+        if items_needed(high, 1.0, alpha, power) > n:
+            detectable = 1.0  # not even a drop from all right to all wrong is sure to show
         else:
-            held.append(f"KL {kl:.4g} is within max_kl={thresholds.max_kl:g}")
-    return ("FAIL", failed) if failed else ("PASS", held)
+            for _ in range(60):  # bisection: items_needed falls as the drop grows
+                middle = (low + high) / 2
+                if items_needed(middle, max(psi, middle), alpha, power) <= n:
+                    high = middle
+                else:
+                    low = middle
+            detectable = high
+        return Resolution(psi, sd, detectable, needed, alpha, power)
+    z = NormalDist().inv_cdf(1.0 - alpha / 2.0) + NormalDist().inv_cdf(power)
+    detectable = z * sd / math.sqrt(n)
+    needed = max(1, math.ceil((z * sd / max_drop) ** 2))
+    return Resolution(None, sd, detectable, needed, alpha, power)
 
 
 def items_needed(drop: float, discordance: float, alpha: float = 0.05, power: float = 0.8) -> int:

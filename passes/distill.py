@@ -172,6 +172,7 @@ class DistillPass(Pass):
 
     Config = DistillConfig
     name = "distill"
+    drift = "pruned"  # a retrained student
     version = 1
     consumes = Kind.TORCH
     produces = Kind.TORCH

@@ -51,6 +51,7 @@ register_pass("quant", "fp16", Fp16Config)
 class Fp16Pass(Pass):
     Config = Fp16Config
     name = "fp16"
+    drift = "bits16"
     version = 2  # 2: written through pipeline/graph_io.py (sharded data, other files hard-linked)
     consumes = Kind.GRAPH
     produces = Kind.GRAPH

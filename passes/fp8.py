@@ -251,6 +251,7 @@ class Fp8QdqPass(Pass):
 
     Config = Fp8QdqConfig
     name = "fp8-qdq"
+    drift = "bits8"
     version = 2  # 2: onnx-ir with lazy weights; unchanged data files linked, new ones sharded
     memory_profile = "graph"  # weights memory-mapped; one fp32 weight read at a time
     consumes = Kind.GRAPH

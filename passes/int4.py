@@ -422,6 +422,7 @@ class TorchInt4Pass(Pass):
     placement_knobs = ("device", "torch_dtype")
     memory_profile = "block"
     algorithm: ClassVar[str]
+    drift = "bits4"
 
     def targets(self, model: Any, folder: Path) -> list[str]:
         """The quantized layers' names, after the exclude (and fallback) and group-size checks."""

@@ -310,6 +310,7 @@ class Int8QDQPass(Pass):
 
     Config = Int8QDQConfig
     name = "int8_qdq"
+    drift = "bits8"
     version = 2  # 2: onnx-ir with lazy weights; unchanged data files linked, new ones sharded
     memory_profile = "graph"  # weights memory-mapped; one fp32 weight read at a time
     consumes = Kind.GRAPH

@@ -126,6 +126,11 @@ class KvCachePass(Pass):
             )
         self.config.calibration = as_calibration(self.config.calibration)
 
+    def drift_family(self) -> str:
+        """A cache stored in fewer bits moves the attention it feeds: bits16 / bits8."""
+        dtype = KvDtype(self.config.dtype)
+        return {KvDtype.fp16: "bits16", KvDtype.int8: "bits8", KvDtype.fp8: "bits8"}.get(dtype, "fp32")
+
     def requires(self, source: Artifact) -> None:
         if "io" not in source.metadata:
             raise PassError(f"{self.name}: {source.path} records no IO spec; re-export it")

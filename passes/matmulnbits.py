@@ -82,6 +82,7 @@ class Int4LoweringConfig(Int4Settings, Int4LoweringSettings):
 class Int4LoweringPass(Pass):
     Config = Int4LoweringConfig
     name = "int4_lowering"
+    drift = "bits4"
     version = 2  # 2: onnx-ir with lazy weights (pipeline.graph_io); unchanged data files linked
     memory_profile = "graph"  # weights memory-mapped; one fp32 weight read at a time
     consumes = Kind.GRAPH

@@ -349,6 +349,7 @@ class PrunePass(Pass):
 
     Config = PruneConfig
     name = "prune"
+    drift = "pruned"
     version = 2  # 2: the teacher (path, digest) in the metadata, for distill
     consumes = Kind.TORCH
     produces = Kind.TORCH

@@ -5,10 +5,10 @@ value of the wrong type, bad override syntax, a ``*_schema`` entry chosen as an 
 out of range) print one ``error:`` line naming the bad input and the fix, and exit with code 2,
 before any pass runs or the model is downloaded; an OS error (disk full, read-only folder,
 permission denied) prints ``error: cannot write <path>: <reason>`` and exits with code 1; a
-FAIL of the eval gate exits with code 3 (after the summary) and publishes nothing; a PASS is
-published to the registry (``registry=local``, the default; ``pipeline/publish.py``); Ctrl-C
-exits with 130 and SIGTERM with 143 (``pipeline/signals.py``), leaving no partial output (every
-write is staged and renamed).
+FAIL of the eval gate exits with code 3 and an INCONCLUSIVE with code 4 (after the summary),
+and neither publishes anything; a PASS is published to the registry (``registry=local``, the
+default; ``pipeline/publish.py``); Ctrl-C exits with 130 and SIGTERM with 143
+(``pipeline/signals.py``), leaving no partial output (every write is staged and renamed).
 In a multirun (``-m``, the nightly matrix) each job records its exit code in its folder instead
 of exiting, so one failing recipe does not stop the others; the sweep then exits with the worst
 code (``pipeline/nightly.py``).
@@ -103,7 +103,7 @@ def run(cfg: DictConfig, run_dir: Path) -> tuple[int, str]:
     from evals.agreement import compare
     from evals.gate import GateError
     from evals.suites import SuiteError
-    from pipeline.gate import GATE_FAILED, check_eval, gate_fn
+    from pipeline.gate import GATE_EXIT_CODES, check_eval, gate_fn
     from pipeline.nightly import apply_nightly
     from pipeline.publish import check_registry, publish_run
     from pipeline.run import run_pipeline
@@ -153,8 +153,9 @@ def run(cfg: DictConfig, run_dir: Path) -> tuple[int, str]:
         except KeyboardInterrupt as exc:
             kept = "nothing was published; the run is complete"
             return fail(exit_code(exc), f"interrupted ({_signal_name(exc)}) while publishing: {kept}")
-    if result.manifest["gate"]["verdict"] == "FAIL":
-        return fail(GATE_FAILED, f"gate FAIL: {result.manifest['gate']['reason']}")
+    gate = result.manifest["gate"]
+    if GATE_EXIT_CODES.get(gate["verdict"]):  # FAIL 3, INCONCLUSIVE 4
+        return fail(GATE_EXIT_CODES[gate["verdict"]], f"gate {gate['verdict']}: {gate['reason']}")
     return 0, published or f"gate {result.manifest['gate']['verdict']}"
 
 

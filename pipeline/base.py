@@ -49,6 +49,12 @@ class Pass(ABC):
     # time, streamed from the safetensors), "graph" (an ONNX graph with external data memory-mapped),
     # "none" (no weights).
     memory_profile: ClassVar[str] = "whole"
+    # How far the pass may move the model's next-token distribution: its family among the eval
+    # gate's token-level bounds (configs/eval/_drift.yaml; pipeline.config.DRIFT_FAMILIES),
+    # "fp32" (exact rewrites in float32), "bits16", "bits8", "bits4" or "pruned". A recipe's
+    # family is the loosest of its passes'. A pass whose family depends on its config overrides
+    # ``drift_family``.
+    drift: ClassVar[str] = "fp32"
     # A "whole" pass that loads its model module by module (calibration.streaming's
     # ``StreamedCheckpoint.load_model``) maps one module of the checkpoint at a time; one that
     # loads through ``from_pretrained`` has the whole checkpoint mapped beside the weights.
@@ -70,6 +76,10 @@ class Pass(ABC):
             self.config = self.Config(**config)
         except TypeError as exc:  # unknown keyword: a recipe key the pass does not have
             raise PassError(f"pass '{self.name}': bad config ({exc})") from None
+
+    def drift_family(self) -> str:
+        """This pass's family among the gate's token-level bounds (``drift``)."""
+        return self.drift
 
     def config_dict(self) -> dict[str, Any]:
         """The resolved config as plain data, without the ``_target_`` bookkeeping key."""

@@ -82,17 +82,20 @@ def check_number(
     above: float | None = None,
     low: float | None = None,
     below: float | None = None,
+    high: float | None = None,
     optional: bool = False,
 ) -> None:
-    """``name=value`` must be a number in the given bounds (``above``/``below`` exclusive)."""
+    """``name=value`` must be a number in the given bounds (``above``/``below`` exclusive,
+    ``low``/``high`` inclusive)."""
     if value is None and optional:
         return
     rules = [f"more than {above}" if above is not None else "", f"at least {low}" if low is not None else ""]
     rules.append(f"less than {below}" if below is not None else "")
+    rules.append(f"at most {high}" if high is not None else "")
     rule = " and ".join(r for r in rules if r)
     ok = _is_number(value)
     ok = ok and (above is None or value > above) and (low is None or value >= low)
-    ok = ok and (below is None or value < below)
+    ok = ok and (below is None or value < below) and (high is None or value <= high)
     if not ok:
         null = " (or null)" if optional else ""
         raise ConfigError(f"{name}={_show(value)}: must be a number {rule}{null}")
@@ -261,6 +264,11 @@ class Scoring(enum.StrEnum):
     gen = "gen"  # greedy generation scored against the item's target (models that can do the task)
 
 
+# The recipe families of the gate's token-level rules, strictest first (evals/drift.py FAMILIES,
+# pipeline.base.Pass.drift).
+DRIFT_FAMILIES = ("fp32", "bits16", "bits8", "bits4", "pruned")
+
+
 class SuiteSize(enum.StrEnum):
     quick = "quick"  # ~50 items a suite, for development and CI
     full = "full"  # sized for power (see evals/stats.py items_needed): the nightly default
@@ -268,11 +276,22 @@ class SuiteSize(enum.StrEnum):
 
 @dataclass
 class SuiteThresholds:
-    """A suite's gate rule (reasons for the defaults: ``evals/stats.py`` GateThresholds): FAIL when
-    the CI's lower bound of candidate - baseline is below -max_drop, or recovery < min_recovery."""
+    """A suite's gate rule (reasons for the defaults: ``evals/stats.py`` GateThresholds): PASS when
+    the CI's lower bound of candidate - baseline is at least -max_drop and recovery >=
+    min_recovery; FAIL when a significant drop breaks either; INCONCLUSIVE otherwise."""
 
     max_drop: float = 0.05
     min_recovery: float = 0.95
+
+
+@dataclass
+class DriftBounds:
+    """A recipe family's bounds on the held-out token drift vs the reference (``evals/drift.py``;
+    the defaults and their reasons: ``configs/eval/_drift.yaml``). null turns a bound off."""
+
+    max_kl: float | None = None  # mean KL(reference || engine), nats per token
+    min_top1: float | None = None  # share of positions whose argmax token agrees
+    max_ppl_ratio: float | None = None  # engine perplexity / reference perplexity
 
 
 @dataclass
@@ -287,11 +306,20 @@ class EvalConfig:
     # Ranking metric: acc (highest summed log-likelihood) or acc_norm (per byte: no bias to short
     # answers such as the "[]" of tool_call's irrelevance items).
     rank_metric: str = "acc_norm"
+    # Each item's prompt as one user turn of the tokenizer's chat template (true) or raw (false);
+    # null: true when the engines' tokenizer has a chat template (an instruct model is scored in
+    # its own conversational format). The gate passes the resolved value to the lm-eval model
+    # and records it in the gate's settings (lm-eval's own convention, raw unless asked, is what
+    # ``python -m evals.tasks`` follows).
+    chat: bool | None = None
     thresholds: dict[str, SuiteThresholds] = field(
         default_factory=lambda: {s: SuiteThresholds() for s in ("reasoning", "tool_call", "long_context")}
     )
-    # Mean token KL (reference || engine) on the held-out text of the quality record; null: no rule.
-    max_kl: float | None = None
+    # Bounds on the token-level drift (held-out KL, top-1 agreement, perplexity ratio vs the
+    # reference) per recipe family; the engine's family is the loosest of its passes', or
+    # ``family`` when set (for engines whose manifest records none).
+    drift: dict[str, DriftBounds] = field(default_factory=dict)
+    family: str | None = None
     # At most this many items a suite (null: all of the size); for trying the gate quickly.
     limit: int | None = None
     confidence: float = 0.95
@@ -305,7 +333,16 @@ class EvalConfig:
         check_int("eval.limit", self.limit, 1, optional=True)
         check_int("eval.seed", self.seed, 0)
         check_int("eval.threads", self.threads, 0)
-        check_number("eval.max_kl", self.max_kl, low=0, optional=True)
+        keys = [(f"eval.drift.{name}", name) for name in dict(self.drift)]
+        keys += [(f"eval.family={self.family}", self.family)] if self.family is not None else []
+        for key, name in keys:
+            if name not in DRIFT_FAMILIES:
+                raise ConfigError(f"{key}: no such recipe family; choose one of {', '.join(DRIFT_FAMILIES)}")
+        for name, bounds in dict(self.drift).items():
+            get = bounds.get if isinstance(bounds, dict) else lambda key, b=bounds: getattr(b, key, None)
+            check_number(f"eval.drift.{name}.max_kl", get("max_kl"), low=0, optional=True)
+            check_number(f"eval.drift.{name}.min_top1", get("min_top1"), low=0, high=1, optional=True)
+            check_number(f"eval.drift.{name}.max_ppl_ratio", get("max_ppl_ratio"), low=0, optional=True)
         for suite, rule in dict(self.thresholds).items():
             get = rule.get if isinstance(rule, dict) else lambda name, r=rule: getattr(r, name, None)
             check_number(f"eval.thresholds.{suite}.max_drop", get("max_drop"), low=0)

@@ -2,10 +2,12 @@
 
 Compares any two engine folders (tonight's build vs the stable one, a hand-built engine vs
 ours) with the same suites, statistics, table and exit codes as the gate that ends every
-``python -m pipeline`` run (which calls ``gate_fn`` here): 0 PASS, 3 FAIL, 2 bad input. Each
-folder is an engine folder (``engine.json``) with the run's ``manifest.json`` beside it, or the
-run folder holding both. Token-level KL (the ``max_kl`` rule) is measured here on the held-out
-text. Like ``pipeline/__main__.py`` this is an entry point, so it may import ``evals``.
+``python -m pipeline`` run (which calls ``gate_fn`` here): 0 PASS, 3 FAIL, 4 INCONCLUSIVE, 2 bad
+input. Each folder is an engine folder (``engine.json``) with the run's ``manifest.json`` beside
+it, or the run folder holding both. The token-level drift (held-out KL, top-1 agreement,
+perplexity ratio) is measured here and judged by the candidate's recipe family, which its
+manifest records (``--set family=...`` for an older manifest). Like ``pipeline/__main__.py``
+this is an entry point, so it may import ``evals``.
 """
 
 from __future__ import annotations
@@ -21,33 +23,45 @@ from typing import Any, NoReturn
 from omegaconf import OmegaConf
 
 from pipeline.artifacts import Artifact, Kind, digest_of, sha256_file, write_json
-from pipeline.config import EvalConfig, QualityConfig
+from pipeline.config import DRIFT_FAMILIES, EvalConfig, QualityConfig
 from pipeline.errors import EngineError, PipelineError, describe_os_error, first_line
 from pipeline.signals import exit_code, interrupt_on_sigterm
 
 GATE_FAILED = 3  # distinct from a user mistake's 2
+GATE_INCONCLUSIVE = 4  # neither a PASS nor a shown regression: more items, or eval=full
+GATE_EXIT_CODES = {"PASS": 0, "FAIL": GATE_FAILED, "INCONCLUSIVE": GATE_INCONCLUSIVE}
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "eval"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def gate_fn(
-    candidate: Artifact, baseline: Artifact, config: EvalConfig, kl: float | None, cache: Path | None
+    candidate: Artifact,
+    baseline: Artifact,
+    config: EvalConfig,
+    quality: dict[str, Any] | None,
+    family: str,
+    cache: Path | None,
 ) -> dict[str, Any]:
-    """Score both engines on the configured suites and judge them (``pipeline.run.GateFn``)."""
+    """Score both engines on the configured suites and judge them, and judge the token-level
+    drift of ``quality`` by the bounds of the recipe's ``family`` (``pipeline.run.GateFn``)."""
+    from evals.drift import DriftRule
     from evals.gate import run_gate
     from evals.stats import GateThresholds
 
-    thresholds = {
-        s: GateThresholds(t.max_drop, t.min_recovery, config.max_kl) for s, t in config.thresholds.items()
-    }
+    thresholds = {s: GateThresholds(t.max_drop, t.min_recovery) for s, t in config.thresholds.items()}
+    family = config.family or family
+    bounds = config.drift.get(family)
+    rule = DriftRule(bounds.max_kl, bounds.min_top1, bounds.max_ppl_ratio) if bounds else DriftRule()
+    chat = resolve_chat(config, candidate.path)
     return run_gate(
         (candidate.path, candidate.digest),
         (baseline.path, baseline.digest),
         config.suites,
         thresholds,
-        score_fn(config),
-        eval_settings(config),
-        kl=kl,
+        score_fn(config, chat),
+        eval_settings(config, chat),
+        drift=(family, rule),
+        quality=quality,
         cache_dir=cache,
         confidence=config.confidence,
         resamples=config.resamples,
@@ -66,8 +80,32 @@ def check_eval(config: Any) -> None:
         raise GateError(f"eval.rank_metric={config.rank_metric!r}: choose one of {', '.join(RANK_METRICS)}")
 
 
-def eval_settings(config: EvalConfig) -> dict[str, Any]:
-    """What an engine's scores depend on besides the engine: the key of their cache."""
+def has_chat_template(engine: Path) -> bool:
+    """Whether the engine folder's tokenizer carries a chat template (as transformers reads it:
+    ``chat_template.jinja``, or ``chat_template`` in ``tokenizer_config.json``)."""
+    if (engine / "chat_template.jinja").is_file():
+        return True
+    try:
+        tokenizer_config = json.loads((engine / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(tokenizer_config, dict) and bool(tokenizer_config.get("chat_template"))
+
+
+def resolve_chat(config: EvalConfig, engine: Path) -> bool:
+    """``eval.chat``, or (null) whether the engine's tokenizer has a chat template."""
+    if config.chat is not None:
+        if config.chat and not has_chat_template(engine):
+            raise PipelineError(
+                f"eval.chat=true: {engine}'s tokenizer has no chat template; set eval.chat=false"
+            )
+        return bool(config.chat)
+    return has_chat_template(engine)
+
+
+def eval_settings(config: EvalConfig, chat: bool) -> dict[str, Any]:
+    """What an engine's scores depend on besides the engine: the key of their cache (and, in the
+    gate record, how the items were put to the model)."""
     from evals.suites import DATA_DIR
 
     manifest = json.loads((DATA_DIR / "MANIFEST.json").read_text())
@@ -75,18 +113,21 @@ def eval_settings(config: EvalConfig) -> dict[str, Any]:
         "size": str(config.size),
         "scoring": str(config.scoring),
         "rank_metric": config.rank_metric,
+        "chat": chat,
         "limit": config.limit,
         "suites": {name: entry["sha256"] for name, entry in manifest["files"].items()},
         "lm_eval": importlib.metadata.version("lm-eval"),
     }
 
 
-def score_fn(config: EvalConfig) -> Callable[[Path, str], list[Any]]:
+def score_fn(config: EvalConfig, chat: bool) -> Callable[[Path, str], list[Any]]:
     from evals.engine_scores import lm_eval_scores
 
     def score(engine: Path, suite: str) -> list[Any]:
         size, scoring = str(config.size), str(config.scoring)
-        return lm_eval_scores(engine, suite, size, scoring, config.rank_metric, config.limit, config.threads)
+        return lm_eval_scores(
+            engine, suite, size, scoring, config.rank_metric, config.limit, config.threads, chat=chat
+        )
 
     return score
 
@@ -96,8 +137,11 @@ def score_fn(config: EvalConfig) -> Callable[[Path, str], list[Any]]:
 
 
 def eval_options() -> list[str]:
-    """The ``--eval`` choices: the configs in ``configs/eval`` but ``none``."""
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "none")
+    """The ``--eval`` choices: the configs in ``configs/eval`` but ``none`` and the parts
+    others include (``_drift``)."""
+    return sorted(
+        p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "none" and not p.stem.startswith("_")
+    )
 
 
 def load_eval_config(size: str, overrides: list[str]) -> EvalConfig:
@@ -108,12 +152,22 @@ def load_eval_config(size: str, overrides: list[str]) -> EvalConfig:
     if size not in options:  # also keeps --eval from naming a file outside configs/eval
         raise PipelineError(f"--eval {size}: no such eval config; choose one of {', '.join(options)}")
     data = OmegaConf.load(CONFIG_DIR / f"{size}.yaml")
-    data.pop("defaults", None)
+    # Hydra's defaults list, as composing ``eval=<size>`` reads it: each entry that is a file of
+    # this group merges under the config itself (``_self_`` last); the schema comes from EvalConfig.
+    parts = [
+        OmegaConf.load(CONFIG_DIR / f"{entry}.yaml")
+        for entry in data.pop("defaults", None) or []
+        if isinstance(entry, str)
+        and not entry.startswith("_self")
+        and (CONFIG_DIR / f"{entry}.yaml").is_file()
+    ]
     for item in overrides:
         if "=" not in item or not item.split("=", 1)[0].strip():
             raise PipelineError(f"--set {item!r}: write KEY=VALUE, e.g. --set limit=12")
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(EvalConfig), data, OmegaConf.from_dotlist(overrides))
+        merged = OmegaConf.merge(
+            OmegaConf.structured(EvalConfig), *parts, data, OmegaConf.from_dotlist(overrides)
+        )
         config = OmegaConf.to_object(merged)  # builds EvalConfig: its __post_init__ checks run
     except PipelineError as exc:  # EvalConfig's own range checks (ConfigError)
         raise PipelineError(f"--set {' '.join(overrides)}: {first_line(exc)}") from None
@@ -179,7 +233,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="eval overrides, e.g. 'suites=[reasoning]'"
     )
     parser.add_argument("--cache-dir", type=Path, default=Path("artifacts/cache"), help="score cache")
-    parser.add_argument("--no-kl", action="store_true", help="skip the held-out token agreement")
+    parser.add_argument(
+        "--no-kl", action="store_true", help="skip the held-out token drift (the gate cannot PASS without it)"
+    )
     parser.add_argument("--json", type=Path, help="also write the gate record here")
     return parser.parse_args(argv)
 
@@ -194,10 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         config = load_eval_config(args.eval, list(args.set))
         check_eval(config)
         baseline, _ = resolve_engine(args.baseline, "baseline")
-        candidate, _ = resolve_engine(args.candidate, "candidate")
+        candidate, manifest = resolve_engine(args.candidate, "candidate")
+        family = config.family or recorded_family(manifest, args.candidate)
         check_same_tokenizer(baseline.path, candidate.path)
-        kl = None if args.no_kl else _token_kl(baseline.path, candidate.path)
-        record = gate_fn(candidate, baseline, config, kl, args.cache_dir)
+        quality = None if args.no_kl else _token_quality(baseline.path, candidate.path)
+        record = gate_fn(candidate, baseline, config, quality, family, args.cache_dir)
     except (PipelineError, GateError, SuiteError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -221,14 +278,25 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     passed = record["verdict"] == "PASS"
     print(f"gate {record['verdict']}: {record['reason']}", file=sys.stdout if passed else sys.stderr)
-    return 0 if passed else GATE_FAILED
+    return GATE_EXIT_CODES[record["verdict"]]
 
 
-def _token_kl(baseline: Path, candidate: Path) -> float:
+def recorded_family(manifest: dict[str, Any], folder: Path) -> str:
+    """The recipe family the candidate's run recorded (``drift_family``), or a one-line error."""
+    family = manifest.get("drift_family")
+    if not isinstance(family, str) or family not in DRIFT_FAMILIES:
+        raise PipelineError(
+            f"--candidate {folder}: its manifest records no recipe family (drift_family), so its token-level "
+            f"bounds are unknown; name it: --set family=<{'|'.join(DRIFT_FAMILIES)}>"
+        )
+    return family
+
+
+def _token_quality(baseline: Path, candidate: Path) -> dict[str, Any]:
     from evals.agreement import compare
     from pipeline.runtime import Engine
 
-    return float(compare(Engine(candidate), Engine(baseline), QualityConfig())["kl_mean"])
+    return compare(Engine(candidate), Engine(baseline), QualityConfig())
 
 
 if __name__ == "__main__":

@@ -102,6 +102,7 @@ def build_manifest(
     quality: dict[str, Any] | None,
     gate: dict[str, Any] | None = None,
     speculative: dict[str, Any] | None = None,
+    drift_family: str | None = None,
     started: dt.datetime,
 ) -> dict[str, Any]:
     finished = dt.datetime.now(dt.UTC)
@@ -127,6 +128,9 @@ def build_manifest(
         "quality": quality,
         "gate": gate or {"verdict": "not-run", "reason": "no eval gate configured (eval=none)"},
         "speculative": speculative,
+        # The recipe's family among the gate's token-level bounds (pipeline.run.drift_family), so
+        # a later standalone gate judges this engine by the same bounds.
+        "drift_family": drift_family,
         "code": code_revision(),
     }
 

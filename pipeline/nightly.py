@@ -50,7 +50,8 @@ def write_job_status(run_dir: Path, code: int, message: str) -> None:
 class SweepStatus(Callback):
     """At the end of a multirun: one line per job (the overrides the sweep varied, the exit code,
     the last line), and the sweep's exit code is the worst job's
-    (2 bad input, 3 gate FAIL, 130 interrupted; a job that wrote no status counts as 1)."""
+    (2 bad input, 3 gate FAIL, 130 interrupted; a job that wrote no status counts as 1; a gate
+    INCONCLUSIVE, 4, ranks below every failure: it asks for more evidence, not a fix)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = Path(config.hydra.sweep.dir)
@@ -67,9 +68,16 @@ class SweepStatus(Callback):
             message = "no status written (the job crashed)" if status is None else one_line(status["message"])
             varied = " ".join(o for o in overrides[job] if o not in shared)  # what the sweep varied
             print(f"job {job.name} [{varied}]: exit {code}: {message}", file=sys.stderr)
-            worst = max(worst, code)
+            worst = max(worst, code, key=exit_severity)
         if worst:
             sys.exit(worst)
+
+
+def exit_severity(code: int) -> tuple[bool, bool, int]:
+    """Order of exit codes by how bad they are: 0, then INCONCLUSIVE, then the failures by code."""
+    from pipeline.gate import GATE_INCONCLUSIVE
+
+    return code != 0, code != GATE_INCONCLUSIVE, code
 
 
 def _job_overrides(job: Path) -> list[str]:

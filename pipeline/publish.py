@@ -51,6 +51,11 @@ def publish_run(
     verdict = (manifest.get("gate") or {}).get("verdict", "not-run")
     if verdict == "FAIL" and config.force is None:
         return "not published: the gate FAILed"
+    if verdict == "INCONCLUSIVE" and config.force is None:
+        return (
+            "not published to any channel: the gate was INCONCLUSIVE (no regression shown, no PASS either); "
+            "run eval=full or more items (eval.limit) to settle it, or publish with registry.force='<why>'"
+        )
     if verdict != "PASS" and config.force is None:
         return (
             f"not published: no gate verdict ({verdict}); run with eval=quick|full to publish, "

@@ -28,6 +28,8 @@ from typing import Any
 from pipeline.registry import DEFAULT_ROOT, Ref, Registry, RegistryError, open_registry
 
 DEFAULT_OUT = Path("artifacts/reports/nightly.html")
+# Each gate outcome in its own colour; an INCONCLUSIVE reaches the registry only when forced.
+VERDICT_CLASSES = {"PASS": "pass", "FAIL": "fail", "INCONCLUSIVE": "inconclusive"}
 
 
 @dataclass
@@ -217,12 +219,13 @@ def _cell(value: float | None, digits: int = 3) -> str:
 def _row(label: str, build: Build | None, suites: list[str]) -> str:
     if build is None:
         return f"<tr><td>{label}</td><td colspan='{7 + len(suites)}'>-</td></tr>"  # the other columns
-    verdict = build.verdict + (f" (forced: {html.escape(build.forced)})" if build.forced else "")
+    verdict = html.escape(build.verdict) + (f" (forced: {html.escape(build.forced)})" if build.forced else "")
+    style = VERDICT_CLASSES.get(build.verdict, "")
     cells = [
         label,
         f"v{build.version}",
         html.escape(build.published_at),
-        verdict,
+        f"<span class='{style}'>{verdict}</span>" if style else verdict,
         *[_cell(build.scores.get(s)) for s in suites],
         _cell(build.kl, 4),
         _cell(build.top1),
@@ -236,7 +239,9 @@ def render(recipes: list[Recipe], flags: list[str], root: Any) -> str:
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Nightly report</title>",
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
-        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}.flag{color:#b00}</style></head><body>",
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}.flag{color:#b00}"
+        ".pass{color:#070}.fail{color:#b00;font-weight:bold}.inconclusive{color:#b60;background:#fff3cd}"
+        "</style></head><body>",
         f"<h1>Nightly report</h1><p>Registry {html.escape(str(root))}: {len(recipes)} recipes on the "
         "nightly channel.</p>",
         "<h2>Regressions against last night</h2>",

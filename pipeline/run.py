@@ -27,7 +27,7 @@ from pipeline.artifacts import Artifact, Kind, link_tree
 from pipeline.base import Pass
 from pipeline.bench import measure
 from pipeline.cache import Cache, library_versions
-from pipeline.config import BenchConfig, EvalConfig, ModelConfig, QualityConfig
+from pipeline.config import DRIFT_FAMILIES, BenchConfig, EvalConfig, ModelConfig, QualityConfig
 from pipeline.manager import PassManager, validate
 from pipeline.manifest import MANIFEST_FILE, build_manifest, write_manifest
 from pipeline.memory import preflight
@@ -51,10 +51,15 @@ OPTIMIZATION_GROUPS = ("prune", "distill", "quant", "kv_cache", "fusion")
 
 # (candidate engine folder, reference engine folder or None when identical, config) -> record
 QualityFn = Callable[[Path, Path | None, QualityConfig], dict[str, Any]]
-# (candidate engine, baseline engine, config, token KL of the quality record, cache folder) -> the
-# gate record ({"verdict": "PASS" | "FAIL", "reason": ..., "suites": {...}}); engines as
-# (folder, content digest).
-GateFn = Callable[[Artifact, Artifact, EvalConfig, float | None, Path | None], dict[str, Any]]
+# (candidate engine, baseline engine, config, the quality record, the recipe's drift family,
+# cache folder) -> the gate record ({"verdict": "PASS" | "FAIL" | "INCONCLUSIVE", "reason": ...,
+# "suites": {...}, "drift": {...}}); engines as (folder, content digest).
+GateFn = Callable[[Artifact, Artifact, EvalConfig, dict[str, Any] | None, str, Path | None], dict[str, Any]]
+
+
+def drift_family(passes: list[Pass]) -> str:
+    """The recipe's family among the gate's token-level bounds: the loosest of its passes'."""
+    return max((p.drift_family() for p in passes), key=DRIFT_FAMILIES.index, default=DRIFT_FAMILIES[0])
 
 
 @dataclass
@@ -180,8 +185,8 @@ def run_pipeline(
         if gate_fn is not None and eval_cfg.enabled:
             log.info("gate: the engine vs the reference engine on %s", ", ".join(eval_cfg.suites))
             reference = _reference(cfg, source, cache)
-            kl = quality["kl_mean"] if quality else None
-            gate = gate_fn(engine, reference, eval_cfg, kl, cache.root if cache.enabled else None)
+            gate_cache = cache.root if cache.enabled else None
+            gate = gate_fn(engine, reference, eval_cfg, quality, drift_family(passes), gate_cache)
         if bench_cfg.enabled:  # measured where the engine lies, before anything lands in run_dir
             bench_cache = Path(cfg.pipeline.cache_dir) if cfg.pipeline.cache else None
             peer = None
@@ -207,6 +212,7 @@ def run_pipeline(
         quality=quality,
         gate=gate,
         speculative=speculative,
+        drift_family=drift_family(passes),
         started=started,
     )
     return RunResult(run_dir, engine_dir, write_manifest(run_dir, manifest), manifest)

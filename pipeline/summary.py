@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 
 def _short(digest: str) -> str:
@@ -198,17 +199,30 @@ def serving_table(serving: dict[str, Any]) -> Table:
 
 
 def gate_table(gate: dict[str, Any]) -> Table:
-    """One row per suite: scores, difference with its CI, McNemar p-value, recovery, verdict."""
+    """One row per suite: scores, difference with its CI, McNemar p-value, recovery, the smallest
+    drop the suite detects and the items that would settle max_drop, verdict; then the
+    token-level drift row (KL, top-1, perplexity ratio against the recipe family's bounds)."""
     settings = gate.get("settings", {})
     size, scoring = settings.get("size", "?"), settings.get("scoring", "?")
     title = f"Eval gate ({size} suites, {scoring} scoring): {gate['verdict']}"
     table = Table(title=title, title_justify="left")
-    columns = ("suite", "items", "baseline", "candidate", "difference [95% CI]", "p (McNemar)", "recovery")
+    columns = (
+        "suite",
+        "items",
+        "baseline",
+        "candidate",
+        "difference [95% CI]",
+        "p (McNemar)",
+        "recovery",
+        "detects / items to settle",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column == "suite" else "right")
     table.add_column("verdict")
     for suite, row in gate["suites"].items():
         p_value = "-" if row.get("p_value") is None else f"{row['p_value']:.3g}"
+        sized = row.get("resolution")
+        power = "-" if not sized else f"{sized['minimum_detectable_drop']:.1%} / {sized['items_needed']}"
         table.add_row(
             suite,
             str(row["n"]),
@@ -217,9 +231,27 @@ def gate_table(gate: dict[str, Any]) -> Table:
             f"{row['difference']:+.1%} [{row['ci_low']:+.1%}, {row['ci_high']:+.1%}]",
             p_value,
             f"{row['recovery']:.1%}",
-            row["verdict"],
+            power,
+            _verdict_text(row["verdict"]),
         )
+    drift = gate.get("drift")
+    if drift:
+        measured = drift.get("measured")
+        numbers = (
+            f"KL {measured['kl']:.4f}, top-1 {measured['top1']:.1%}, ppl x{measured['ppl_ratio']:.3f}"
+            if measured
+            else "not measured"
+        )
+        label = f"token drift ({drift['family']})"
+        table.add_row(label, "", "", "", numbers, "", "", "", _verdict_text(drift["verdict"]))
     return table
+
+
+VERDICT_STYLES = {"PASS": "green", "FAIL": "bold red", "INCONCLUSIVE": "yellow"}
+
+
+def _verdict_text(verdict: str) -> Text:
+    return Text(verdict, style=VERDICT_STYLES.get(verdict, ""))
 
 
 def _kv_cache_note(kv: dict[str, Any]) -> str:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from evals.gate import FAIL, PASS, GateError, ItemScore, judge_suite, pair_scores, run_gate
-from evals.stats import GateThresholds
+from evals.drift import DriftRule
+from evals.gate import GateError, ItemScore, judge_suite, overall, pair_scores, run_gate
+from evals.stats import FAIL, INCONCLUSIVE, PASS, GateThresholds
 
 
 def scores(values: list[int], prefix: str = "s", salt: str = "") -> list[ItemScore]:
@@ -47,10 +48,49 @@ def test_an_unchanged_engine_passes_and_a_broken_one_fails() -> None:
     )
 
 
-def test_kl_rule_fails_an_otherwise_equal_engine() -> None:
-    base = scores([1, 0] * 100)
-    row = judge_suite("s", base, base, GateThresholds(max_kl=0.05), kl=0.2)
-    assert row["verdict"] == FAIL and any("max_kl" in r for r in row["reasons"])
+QUALITY = {"kl_mean": 0.30, "top1_agreement": 0.71, "perplexity": 40.0, "reference_perplexity": 25.0}
+BITS4 = ("bits4", DriftRule(max_kl=0.25, min_top1=0.70, max_ppl_ratio=1.25))
+
+
+def test_token_drift_fails_an_engine_whose_suites_pass(tmp_path: Path) -> None:
+    # The regression quick suites cannot see: scores unchanged, the token statistics far off.
+    def score(engine: Path, suite: str) -> list[ItemScore]:
+        return scores([1, 0] * 24, prefix=suite)
+
+    kwargs = dict(suites=["a"], thresholds={"a": GateThresholds(0.15, 0.85)}, score_fn=score, settings={})
+    record = run_gate(
+        (tmp_path / "c", "d-c"), (tmp_path / "b", "d-b"), **kwargs, drift=BITS4, quality=QUALITY
+    )
+    assert record["suites"]["a"]["verdict"] == PASS
+    assert record["verdict"] == FAIL and record["drift"]["verdict"] == FAIL and record["kl"] == 0.30
+    assert record["reason"].startswith("token drift: KL 0.3 breaks max_kl=0.25 (family bits4)")
+    within = {**QUALITY, "kl_mean": 0.2, "perplexity": 30.0}
+    record = run_gate((tmp_path / "c", "d-c"), (tmp_path / "b", "d-b"), **kwargs, drift=BITS4, quality=within)
+    assert record["verdict"] == PASS and len(record["drift"]["reasons"]) == 3
+    unmeasured = run_gate(
+        (tmp_path / "c", "d-c"), (tmp_path / "b", "d-b"), **kwargs, drift=BITS4, quality=None
+    )
+    assert unmeasured["verdict"] == INCONCLUSIVE and "no valid KL" in unmeasured["reason"]
+
+
+def test_a_small_suite_that_cannot_tell_is_inconclusive_and_says_how_many_items_would() -> None:
+    base = scores([1, 1, 0, 1] * 12)  # 48 items
+    cand = scores([1, 0, 0, 1] * 6 + [1, 1, 0, 1] * 5 + [0, 1, 1, 1])  # 7 lost, 1 gained: -12.5 points
+    row = judge_suite("s", base, cand, GateThresholds(max_drop=0.15, min_recovery=0.85))
+    assert row["verdict"] == INCONCLUSIVE and row["p_value"] > 0.05 and row["ci_low"] < -0.15
+    sized = row["resolution"]
+    assert sized["discordance"] == pytest.approx(8 / 48) and sized["items_needed"] > 48
+    assert f"about {sized['items_needed']} items would settle max_drop=0.15 (it has 48)" in row["reasons"][-1]
+
+
+def test_the_gate_is_its_worst_row() -> None:
+    row = {"reasons": ["r"]}
+    assert overall({"a": {**row, "verdict": PASS}, "b": {**row, "verdict": PASS}})[0] == PASS
+    assert overall({"a": {**row, "verdict": INCONCLUSIVE}, "b": {**row, "verdict": PASS}}) == (
+        INCONCLUSIVE,
+        "a: r",
+    )
+    assert overall({"a": {**row, "verdict": INCONCLUSIVE}, "b": {**row, "verdict": FAIL}}) == (FAIL, "b: r")
 
 
 def test_run_gate_scores_each_engine_once_and_caches(tmp_path: Path) -> None:

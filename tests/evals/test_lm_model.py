@@ -179,16 +179,41 @@ def test_generate_until_on_the_engine(tiny_engine: Any, lm: EngineLM) -> None:
     )
 
 
+def test_log_likelihoods_match_lm_evals_hf_model_on_the_same_checkpoint(
+    lm: EngineLM, chat_engine: Path, tiny_llama: Path
+) -> None:
+    """lm-eval's own ``hf`` model on the checkpoint the tiny engine was exported from: the same
+    requests give the same log-likelihoods and greedy flags, by default (raw prompts) and under
+    the chat template (ours with chat=true, hf with lm-eval's rendering)."""
+    from lm_eval.models.huggingface import HFLM
+
+    hf = HFLM(pretrained=str(tiny_llama), dtype="float32", device="cpu", batch_size=1)
+    requests = [Req("The quick brown fox", " jumps over"), Req("1 2 3", " 4"), Req("", "hello world")]
+    ours = lm.loglikelihood(requests, disable_tqdm=True)
+    theirs = hf.loglikelihood(requests, disable_tqdm=True)
+    for (mine, greedy), (reference, hf_greedy) in zip(ours, theirs, strict=True):
+        assert mine == pytest.approx(reference, abs=1e-3) and greedy == hf_greedy
+    # The chat convention: lm-eval renders the turn with hf's template, we wrap it ourselves.
+    hf.tokenizer.chat_template = CHATML
+    rendered = hf.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}])
+    chat = EngineLM(engine=str(chat_engine), chat=True)
+    ((wrapped, _),) = chat.loglikelihood([Req("What is 2 + 2?", " 4")], disable_tqdm=True)
+    ((hf_templated, _),) = hf.loglikelihood([Req(rendered, "4")], disable_tqdm=True)
+    assert wrapped == pytest.approx(hf_templated, abs=1e-3)
+
+
 # ---------------------------------------------------------------------------- chat template
 
 
 def test_chat_template_wraps_context(chat_engine: Path, tiny_engine: Any) -> None:
-    chat = EngineLM(engine=str(chat_engine))
+    assert EngineLM(engine=str(chat_engine)).chat is False  # lm-eval's convention: raw unless asked
+    chat = EngineLM(engine=str(chat_engine), chat="true")
     assert chat.chat is True
     wrapped = chat.wrap("What is 2 + 2?")
     assert wrapped == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
     ((logprob, _),) = chat.loglikelihood([Req("What is 2 + 2?", " 4")], disable_tqdm=True)
-    ctx = chat.tok_encode(wrapped)
+    # lm-eval's split: the newline opening the assistant turn is scored with the answer
+    ctx = chat.tok_encode(wrapped.removesuffix("\n"))
     cont = chat.tok_encode(wrapped + "4")[len(ctx) :]
     assert logprob == pytest.approx(direct_score(chat, ctx, cont)[0], abs=1e-4)
     # A context lm-eval rendered with our apply_chat_template is not wrapped again.

@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 
 from evals.stats import (
+    FAIL,
+    INCONCLUSIVE,
+    PASS,
     GateThresholds,
     McNemarResult,
     SuiteComparison,
@@ -16,6 +19,7 @@ from evals.stats import (
     mcnemar_exact,
     paired_bootstrap_ci,
     recovery,
+    resolution,
     verdict,
 )
 
@@ -175,94 +179,151 @@ def test_compare_suite_continuous_has_no_mcnemar() -> None:
 # --- verdict ------------------------------------------------------------------------------------
 
 
-def _comparison(ci_low: float = -0.01, recovery: float = 1.0) -> SuiteComparison:
+def _comparison(
+    ci_low: float = -0.01, recovery: float = 1.0, ci_high: float = 0.02, difference: float | None = None
+) -> SuiteComparison:
     return SuiteComparison(
         n=500,
         baseline_mean=0.6,
         candidate_mean=0.6 * recovery,
-        difference=0.6 * recovery - 0.6,
+        difference=0.6 * recovery - 0.6 if difference is None else difference,
         ci_low=ci_low,
-        ci_high=0.02,
+        ci_high=ci_high,
         confidence=0.95,
         mcnemar=None,
         recovery=recovery,
     )
 
 
-THRESHOLDS = GateThresholds(max_drop=0.03, min_recovery=0.95, max_kl=0.1)
+THRESHOLDS = GateThresholds(max_drop=0.03, min_recovery=0.95)
 
 
 def test_verdict_pass() -> None:
-    status, reasons = verdict(_comparison(), THRESHOLDS, kl=0.05)
-    assert status == "PASS"
-    assert len(reasons) == 3  # one line per rule checked
+    status, reasons = verdict(_comparison(), THRESHOLDS)
+    assert status == PASS
+    assert len(reasons) == 2  # one line per rule checked
 
 
 def test_verdict_ci_boundary_passes() -> None:
-    # The rule is strict: ci_low == -max_drop still rules out a larger drop.
-    assert verdict(_comparison(ci_low=-0.03), THRESHOLDS, kl=0.05)[0] == "PASS"
+    # ci_low == -max_drop still rules out a larger drop.
+    assert verdict(_comparison(ci_low=-0.03), THRESHOLDS)[0] == PASS
 
 
-def test_verdict_fails_on_ci() -> None:
-    status, reasons = verdict(_comparison(ci_low=-0.04), THRESHOLDS, kl=0.05)
-    assert status == "FAIL"
-    assert len(reasons) == 1
-    assert "max_drop=0.03" in reasons[0]
+def test_a_wide_ci_that_reaches_zero_is_inconclusive_not_fail() -> None:
+    # The quick-suite case: -2.1 points, CI [-16.7, +12.5]: a large drop is not ruled out, but no
+    # drop is shown either.
+    status, reasons = verdict(_comparison(ci_low=-0.167, ci_high=0.125, difference=-0.021), THRESHOLDS)
+    assert status == INCONCLUSIVE
+    assert "not ruled out" in reasons[0] and "no regression is shown" in reasons[-1]
 
 
-def test_verdict_fails_on_recovery() -> None:
-    status, reasons = verdict(_comparison(recovery=0.94), THRESHOLDS, kl=0.05)
-    assert status == "FAIL"
-    assert len(reasons) == 1
-    assert "min_recovery=0.95" in reasons[0]
+def test_right_wrong_scores_are_judged_significant_by_mcnemars_exact_test() -> None:
+    # 7 pairs lost, 1 gained of 48 (-12.5 points): the bootstrap's 95% upper bound is below 0
+    # (-2.1 points) but the exact p is 0.070, so no regression is shown; 12 lost and none
+    # gained is one (p 0.0005).
+    base = [1, 1, 0, 1] * 12
+    few = compare_suite(base, [1, 0, 0, 1] * 6 + [1, 1, 0, 1] * 5 + [0, 1, 1, 1], resamples=2000)
+    assert few.ci_high < 0 and few.mcnemar == McNemarResult(b=7, c=1, p_value=pytest.approx(0.0703125))
+    assert verdict(few, GateThresholds(max_drop=0.15, min_recovery=0.85))[0] == INCONCLUSIVE
+    many = compare_suite(base, [1, 0, 0, 1] * 12, resamples=2000)
+    assert many.mcnemar is not None and many.mcnemar.p_value < 0.001
+    assert verdict(many, GateThresholds(max_drop=0.15, min_recovery=0.85))[0] == FAIL
 
 
-def test_verdict_fails_on_kl() -> None:
-    status, reasons = verdict(_comparison(), THRESHOLDS, kl=0.2)
-    assert status == "FAIL"
-    assert len(reasons) == 1
-    assert "max_kl=0.1" in reasons[0]
+def test_a_significant_drop_beyond_max_drop_fails() -> None:
+    status, reasons = verdict(_comparison(ci_low=-0.09, ci_high=-0.04, difference=-0.065), THRESHOLDS)
+    assert status == FAIL
+    assert len(reasons) == 1 and "significant drop larger than max_drop=0.03" in reasons[0]
 
 
-def test_verdict_fails_closed_without_kl() -> None:
-    status, reasons = verdict(_comparison(), THRESHOLDS)
-    assert status == "FAIL"
-    assert "no valid KL" in reasons[0]
-    assert verdict(_comparison(), THRESHOLDS, kl=math.nan)[0] == "FAIL"
+def test_a_significant_drop_within_max_drop_but_not_ruled_out_is_inconclusive() -> None:
+    status, reasons = verdict(_comparison(ci_low=-0.04, ci_high=-0.001, difference=-0.02), THRESHOLDS)
+    assert status == INCONCLUSIVE
+    assert "significant but within max_drop" in reasons[-1]
 
 
-def test_verdict_kl_ignored_without_max_kl() -> None:
-    thresholds = GateThresholds(max_drop=0.03, min_recovery=0.95, max_kl=None)
-    status, reasons = verdict(_comparison(), thresholds, kl=5.0)
-    assert status == "PASS"
-    assert len(reasons) == 2
+def test_a_drop_beyond_max_drop_that_is_not_significant_is_inconclusive() -> None:
+    status, _ = verdict(_comparison(ci_low=-0.12, ci_high=0.01, difference=-0.05), THRESHOLDS)
+    assert status == INCONCLUSIVE
+
+
+def test_recovery_below_the_floor_fails_only_when_the_drop_is_significant() -> None:
+    significant = _comparison(recovery=0.9, ci_low=-0.02, ci_high=-0.01, difference=-0.015)
+    status, reasons = verdict(significant, THRESHOLDS)
+    assert status == FAIL and "min_recovery=0.95" in reasons[0]
+    status, reasons = verdict(_comparison(recovery=0.9, difference=-0.015), THRESHOLDS)
+    assert status == INCONCLUSIVE and "min_recovery=0.95" in reasons[0]
 
 
 def test_verdict_lists_every_broken_rule() -> None:
-    status, reasons = verdict(_comparison(ci_low=-0.2, recovery=0.5), THRESHOLDS, kl=1.0)
-    assert status == "FAIL"
-    assert len(reasons) == 3
+    broken = _comparison(ci_low=-0.3, ci_high=-0.1, recovery=0.5)
+    status, reasons = verdict(broken, THRESHOLDS)
+    assert status == FAIL
+    assert len(reasons) == 2
 
 
 def test_verdict_on_compare_suite() -> None:
-    # Same items, candidate loses 4 of 10 right answers: 0.6 -> 0.2, recovery 0.333, CI far below 0.
+    # Candidate loses 4 of 10 right answers: 0.6 -> 0.2, recovery 0.333. On 10 items McNemar's
+    # exact p is 0.125 (INCONCLUSIVE); the same pattern on 40 items shows the regression.
     baseline = [1, 1, 1, 1, 1, 1, 0, 0, 0, 0]
     candidate = [1, 1, 0, 0, 0, 0, 0, 0, 0, 0]
-    status, reasons = verdict(compare_suite(baseline, candidate, resamples=1000), GateThresholds())
-    assert status == "FAIL"
+    status, _ = verdict(compare_suite(baseline, candidate, resamples=1000), GateThresholds())
+    assert status == INCONCLUSIVE
+    status, reasons = verdict(compare_suite(baseline * 4, candidate * 4, resamples=1000), GateThresholds())
+    assert status == FAIL
     assert len(reasons) == 2
 
 
 def test_default_thresholds() -> None:
-    assert GateThresholds() == GateThresholds(max_drop=0.05, min_recovery=0.95, max_kl=None)
+    assert GateThresholds() == GateThresholds(max_drop=0.05, min_recovery=0.95)
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"max_drop": -0.01}, {"min_recovery": math.nan}, {"max_kl": -1.0}, {"max_drop": math.inf}]
-)
+@pytest.mark.parametrize("kwargs", [{"max_drop": -0.01}, {"min_recovery": math.nan}, {"max_drop": math.inf}])
 def test_thresholds_reject_bad_values(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         GateThresholds(**kwargs)
+
+
+# --- resolution ---------------------------------------------------------------------------------
+
+
+def test_resolution_of_a_binary_suite_inverts_items_needed() -> None:
+    # 300 items, 30 discordant (10%): the smallest drop McNemar's test sees with 80% power is the
+    # d whose items_needed(d, 0.1) is 300, and max_drop=0.05 needs items_needed(0.05, 0.1).
+    baseline = [1] * 200 + [0] * 100
+    candidate = [0] * 15 + [1] * 185 + [1] * 15 + [0] * 85
+    sized = resolution(baseline, candidate, max_drop=0.05)
+    assert sized.discordance == pytest.approx(0.1)
+    assert sized.items_needed == items_needed(0.05, 0.1)
+    d = sized.minimum_detectable_drop
+    assert items_needed(d, 0.1) <= 300 < items_needed(d * 0.99, 0.1)
+    # four times the items halve the detectable drop (n ~ psi / d^2)
+    quadrupled = resolution(baseline * 4, candidate * 4, max_drop=0.05)
+    assert quadrupled.minimum_detectable_drop == pytest.approx(d / 2, rel=0.05)
+
+
+def test_resolution_without_discordant_pairs_takes_the_drop_as_the_discordance() -> None:
+    same = [1, 0] * 24  # 48 items, identical answers
+    sized = resolution(same, same, max_drop=0.15)
+    assert sized.discordance == 0.0
+    assert sized.items_needed == items_needed(0.15, 0.15)
+    assert 0.0 < sized.minimum_detectable_drop < 1.0
+
+
+def test_resolution_of_continuous_scores_uses_the_differences_spread() -> None:
+    rng = np.random.default_rng(0)
+    baseline = rng.uniform(0, 1, 400)
+    candidate = baseline + rng.normal(0, 0.1, 400)
+    sized = resolution(baseline, candidate, max_drop=0.02)
+    sd = float(np.std(candidate - baseline, ddof=1))
+    z = 1.959964 + 0.841621
+    assert sized.discordance is None and sized.score_sd == pytest.approx(sd)
+    assert sized.minimum_detectable_drop == pytest.approx(z * sd / 20, rel=1e-4)
+    assert sized.items_needed == math.ceil((z * sd / 0.02) ** 2)
+
+
+def test_a_suite_too_small_for_any_drop_says_so() -> None:
+    assert resolution([1, 0, 1], [0, 1, 1], max_drop=0.5).minimum_detectable_drop == 1.0
 
 
 # --- items_needed -------------------------------------------------------------------------------

@@ -8,15 +8,18 @@ from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from passes.build import OrtCpuBuildPass
 from passes.export import ExportPass
 from pipeline.artifacts import Kind
-from pipeline.config import STAGE_ORDER
+from pipeline.config import DRIFT_FAMILIES, STAGE_ORDER, EvalConfig
 from pipeline.errors import ConfigError
+from pipeline.gate import load_eval_config
 from pipeline.manager import validate
 from pipeline.plugins import build_passes, pass_class
+from pipeline.run import drift_family
 from tests.pipeline.recipe import compose_recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,3 +135,38 @@ def test_cfg_job_prints_the_resolved_recipe() -> None:
     )
     assert "_target_: passes.export.ExportPass" in result.stdout
     assert "sha256: b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("overrides", "family"),
+    [
+        ([], "fp32"),
+        (["fusion=ort", "kv_cache=shared"], "fp32"),
+        (["quant=fp16"], "bits16"),
+        (["kv_cache=concat", "kv_cache.dtype=fp16"], "bits16"),
+        (["quant=int8"], "bits8"),
+        (["quant=fp8"], "bits8"),
+        (["kv_cache=shared", "kv_cache.dtype=int8"], "bits8"),
+        (["quant=int4_awq", "kv_cache=shared", "kv_cache.dtype=int8"], "bits4"),
+        (["quant=int4_gptq"], "bits4"),
+        (["prune=width25", "quant=int8"], "pruned"),
+        (["distill=kd"], "pruned"),
+    ],
+)
+def test_a_recipe_drifts_as_far_as_its_loosest_pass(overrides: list[str], family: str) -> None:
+    assert drift_family(build_passes(compose_recipe(overrides))) == family
+
+
+def test_the_eval_gate_carries_drift_bounds_per_family_and_checks_them() -> None:
+    for size in ("quick", "full"):
+        eval_cfg = compose_recipe([f"eval={size}"]).eval
+        assert set(eval_cfg.drift) == set(DRIFT_FAMILIES)
+        bounds = [eval_cfg.drift[f].max_kl for f in DRIFT_FAMILIES]
+        assert bounds == sorted(bounds), "a looser family must allow at least the KL of a stricter one"
+        assert load_eval_config(size, []).drift == OmegaConf.to_object(eval_cfg).drift  # the gate CLI's
+    with pytest.raises(ConfigError, match=r"eval.drift.bits3: no such recipe family; choose one of fp32"):
+        EvalConfig(drift={"bits3": {"max_kl": 0.1}})
+    with pytest.raises(ConfigError, match=r"eval.drift.bits8.min_top1=1.5: must be a number at least 0"):
+        EvalConfig(drift={"bits8": {"min_top1": 1.5}})
+    with pytest.raises(ConfigError, match=r"eval.family=int3: no such recipe family"):
+        EvalConfig(family="int3")

@@ -99,7 +99,7 @@ def test_the_defaults_and_every_bench_option_pass() -> None:
         (lambda: ServingBenchConfig(output_lengths=[4]), "bench.serving.output_lengths=[4]"),
         (lambda: QualityConfig(window=1), "quality.window=1"),
         (lambda: EvalConfig(confidence=1.5), "eval.confidence=1.5"),
-        (lambda: EvalConfig(max_kl=-0.1), "eval.max_kl=-0.1"),
+        (lambda: EvalConfig(drift={"bits4": {"max_kl": -0.1}}), "eval.drift.bits4.max_kl=-0.1"),
         (lambda: SpeculativeConfig(k=0), "speculative.k=0"),
     ],
 )

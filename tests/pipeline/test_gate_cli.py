@@ -6,6 +6,7 @@ engines here are never run: every refusal comes before scoring."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 from collections.abc import Callable, Iterator
@@ -139,7 +140,8 @@ def test_a_folder_without_a_manifest_or_engine_is_one_line(
         (["--set", "resamples=0"], "resamples"),
         (["--set", "limit=0"], "limit"),
         (["--set", "threads=-2"], "threads"),
-        (["--set", "max_kl=-0.1"], "max_kl"),
+        (["--set", "drift.bits8.max_kl=-0.1"], "eval.drift.bits8.max_kl=-0.1"),
+        (["--set", "family=bits3"], "eval.family=bits3: no such recipe family"),
         (["--set", "confidance=0.9"], "confidance"),
         (["--set", "resamples=many"], "resamples"),
         (["--set", "limit"], "--set 'limit': write KEY=VALUE"),
@@ -170,3 +172,20 @@ def test_engine_and_run_folder_forms_agree(runs: tuple[Path, Path], tmp_path: Pa
     copy = tmp_path / "copy"
     shutil.copytree(base, copy)
     assert resolve_engine(copy, "candidate")[0].digest == resolve_engine(base, "baseline")[0].digest
+
+
+def test_the_gate_puts_items_to_the_model_as_its_chat_setting_says(tmp_path: Path) -> None:
+    from pipeline.config import EvalConfig
+    from pipeline.errors import PipelineError
+    from pipeline.gate import resolve_chat
+
+    raw, jinja, in_config = (tmp_path / name for name in ("raw", "jinja", "in-config"))
+    for folder in (raw, jinja, in_config):
+        folder.mkdir()
+        (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
+    (jinja / "chat_template.jinja").write_text("{{ messages }}")
+    (in_config / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert [resolve_chat(EvalConfig(), f) for f in (raw, jinja, in_config)] == [False, True, True]
+    assert resolve_chat(EvalConfig(chat=False), jinja) is False
+    with pytest.raises(PipelineError, match=r"eval.chat=true: .*raw's tokenizer has no chat template"):
+        resolve_chat(EvalConfig(chat=True), raw)

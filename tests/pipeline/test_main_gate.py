@@ -1,6 +1,6 @@
 """The eval gate at the end of ``python -m pipeline``: verdict in the record and the summary,
-exit code 3 on FAIL, one-line errors for bad eval settings (tiny engines: reasoning suite only,
-whose prompts fit their 256 positions)."""
+exit code 3 on FAIL and 4 on INCONCLUSIVE, one-line errors for bad eval settings (tiny engines:
+reasoning suite only, whose prompts fit their 256 positions)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ def test_gate_pairs_the_engine_with_the_reference(int8_run: tuple[Path, dict]) -
         and row["ci_low"] <= row["difference"] <= row["ci_high"]
     )
     assert gate["kl"] == manifest["quality"]["kl_mean"] and gate["settings"]["rank_metric"] == "acc_norm"
+    assert gate["settings"]["chat"] is False  # resolved and recorded: the tiny tokenizer has no template
 
 
 def test_a_failing_gate_exits_3_with_the_record_written(
@@ -63,20 +64,43 @@ def test_a_failing_gate_exits_3_with_the_record_written(
 ) -> None:
     workdir, first = int8_run
     quant = ["quant=int8", "quant.calibration.num_samples=4", "quant.calibration.seq_len=32"]
-    strict = "eval.thresholds.reasoning.min_recovery=1.5"  # no engine recovers 150% of its baseline
+    strict = "eval.drift.bits8.max_kl=0"  # every int8 engine moves the distribution a little
     result = run_pipeline(
         tiny_llama, workdir, "strict", "bench=none", *quant, "quant.sensitivity.enabled=false", *GATE, strict
     )
     assert result.returncode == 3, result.stderr[-3000:]
-    assert result.stderr.strip().splitlines()[-1].startswith("gate FAIL: reasoning: recovery")
+    assert result.stderr.strip().splitlines()[-1].startswith("gate FAIL: token drift: KL ")
+    assert "breaks max_kl=0 (family bits8)" in result.stderr.strip().splitlines()[-1]
     manifest = json.loads((workdir / "strict" / "manifest.json").read_text())
     assert manifest["gate"]["verdict"] == "FAIL" and "Eval gate" in result.stdout
+    assert manifest["gate"]["suites"]["reasoning"]["verdict"] == "PASS"
+    assert manifest["drift_family"] == "bits8" and manifest["gate"]["drift"]["verdict"] == "FAIL"
     assert "not published: the gate FAILed" in result.stdout
     # Both engines' scores came from the cache of the first run: same items, same numbers.
     assert (
         manifest["gate"]["suites"]["reasoning"]["difference"]
         == first["gate"]["suites"]["reasoning"]["difference"]
     )
+
+
+def test_an_inconclusive_gate_exits_4_and_publishes_to_no_channel(
+    tiny_llama: Path, int8_run: tuple[Path, dict]
+) -> None:
+    workdir, _ = int8_run
+    quant = ["quant=int8", "quant.calibration.num_samples=4", "quant.calibration.seq_len=32"]
+    # No engine recovers 150% of its baseline, and 12 items show no regression either.
+    unsure = "eval.thresholds.reasoning.min_recovery=1.5"
+    result = run_pipeline(
+        tiny_llama, workdir, "unsure", "bench=none", *quant, "quant.sensitivity.enabled=false", *GATE, unsure
+    )
+    assert result.returncode == 4, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("gate INCONCLUSIVE: reasoning: recovery") and "below min_recovery=1.5" in last
+    manifest = json.loads((workdir / "unsure" / "manifest.json").read_text())
+    row = manifest["gate"]["suites"]["reasoning"]
+    assert row["verdict"] == "INCONCLUSIVE" and row["resolution"]["items_needed"] >= 1
+    assert "items would settle max_drop=0.15 (it has 12)" in row["reasons"][-1]
+    assert "not published to any channel: the gate was INCONCLUSIVE" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -136,16 +160,33 @@ def test_standalone_gate_judges_two_engine_folders(int8_run: tuple[Path, dict], 
     assert "Eval gate (quick suites, rank scoring): PASS" in result.stdout and "gate PASS" in result.stdout
     strict = gate_cli(
         workdir, "--baseline", str(none_run), "--candidate", str(workdir / "run"), *sets,
-        "thresholds.reasoning.min_recovery=1.5", "--json", str(workdir / "gate.json"),
+        "drift.bits8.max_kl=0", "--json", str(workdir / "gate.json"),
     )  # fmt: skip
     assert strict.returncode == 3 and strict.stderr.strip().splitlines()[-1].startswith(
-        "gate FAIL: reasoning"
+        "gate FAIL: token drift: KL"
     )
     record = json.loads((workdir / "gate.json").read_text())
     assert (
         record["suites"]["reasoning"]["difference"] == manifest["gate"]["suites"]["reasoning"]["difference"]
     )
-    assert record["kl"] > 0  # measured here on the held-out text
+    assert record["kl"] > 0 and record["drift"]["family"] == "bits8"  # measured here, held-out text
+    assert record["kl"] == pytest.approx(manifest["quality"]["kl_mean"], rel=1e-4)
+    unmeasured = gate_cli(
+        workdir, "--baseline", str(none_run), "--candidate", str(workdir / "run"), *sets, "--no-kl"
+    )
+    assert unmeasured.returncode == 4 and "gate INCONCLUSIVE: token drift" in unmeasured.stderr
+    # an engine whose manifest records no family is judged by the family named, or refused
+    recorded = json.loads((workdir / "run" / "manifest.json").read_text())
+    old = workdir / "old-run"
+    shutil.copytree(workdir / "run", old)
+    (old / "manifest.json").write_text(json.dumps({**recorded, "drift_family": None}))
+    refused = gate_cli(workdir, "--baseline", str(none_run), "--candidate", str(old), *sets, "--no-kl")
+    assert refused.returncode == 2 and "records no recipe family" in refused.stderr
+    assert "--set family=<fp32|bits16|bits8|bits4|pruned>" in refused.stderr
+    named = gate_cli(
+        workdir, "--baseline", str(none_run), "--candidate", str(old), *sets, "family=bits8", "--no-kl"
+    )
+    assert named.returncode == 4 and "family bits8 bounds the token-level drift" in named.stderr
 
 
 def test_standalone_gate_bad_inputs_are_one_line(int8_run: tuple[Path, dict], none_run: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from pipeline.nightly import exit_severity
 from tests.pipeline.test_main import REPO
 
 pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
@@ -34,8 +35,9 @@ def hydra(workdir: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_a_joblib_multirun_runs_the_matrix_and_publishes_only_passing_jobs(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
-    """Two jobs at once (the same int8 build; one gate so strict that it FAILs): the PASS is
-    published to the nightly channel, the FAIL is not, and the sweep exits with the FAIL's 3."""
+    """Two jobs at once (the same int8 build; one gate asking for more than 12 items can show):
+    the PASS is published to the nightly channel, the INCONCLUSIVE is not, and the sweep exits
+    with the INCONCLUSIVE's 4."""
     sweep = tmp_path / "sweep"
     result = hydra(
         tmp_path,
@@ -52,19 +54,29 @@ def test_a_joblib_multirun_runs_the_matrix_and_publishes_only_passing_jobs(
         *GATE,
         "eval.thresholds.reasoning.min_recovery=0.5,1.5",
     )
-    assert result.returncode == 3, result.stderr[-3000:]
+    assert result.returncode == 4, result.stderr[-3000:]
     assert "Joblib.Parallel(n_jobs=2" in result.stdout + result.stderr  # the launcher ran them
     status = {job: json.loads((sweep / job / "job_status.json").read_text()) for job in ("0", "1")}
     assert status["0"]["exit_code"] == 0 and status["0"]["message"].startswith(
         "published llama/int8/ort-cpu@1 (channel nightly)"
     )
-    assert status["1"]["exit_code"] == 3 and status["1"]["message"].startswith("gate FAIL: reasoning")
-    assert "job 1 [eval.thresholds.reasoning.min_recovery=1.5]: exit 3" in result.stderr
+    assert status["1"]["exit_code"] == 4 and status["1"]["message"].startswith("gate INCONCLUSIVE: reasoning")
+    assert "job 1 [eval.thresholds.reasoning.min_recovery=1.5]: exit 4" in result.stderr
     from pipeline.registry import LocalRegistry, Ref
 
     store = LocalRegistry(tmp_path / "artifacts" / "registry")
     assert [v["version"] for v in store.index()["versions"]] == [1]
     assert store.resolve(Ref.parse("llama/int8@nightly"))["manifest"]["gate"]["verdict"] == "PASS"
+
+
+@pytest.mark.parametrize(
+    ("codes", "worst"),
+    [([0, 4], 4), ([0, 4, 3], 3), ([4, 2, 0], 2), ([3, 1], 3), ([0, 0], 0), ([130, 3, 4], 130)],
+)
+def test_a_sweep_exits_with_its_worst_job_and_inconclusive_ranks_below_every_failure(
+    codes: list[int], worst: int
+) -> None:
+    assert max(codes, key=exit_severity) == worst
 
 
 def test_nightly_means_the_full_gate_and_the_nightly_channel() -> None:

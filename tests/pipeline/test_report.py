@@ -28,12 +28,19 @@ NIGHTS = {
 }
 
 
-def publish_night(store: LocalRegistry, folder: Path, recipe: str, night: int) -> None:
+def publish_night(
+    store: LocalRegistry,
+    folder: Path,
+    recipe: str,
+    night: int,
+    verdict: str = "PASS",
+    force: str | None = None,
+) -> None:
     reasoning, tool_call, top1, ttft, tpot = NIGHTS[recipe][night]
     run = make_run(folder, seed=night + 10 * len(recipe))
     manifest = json.loads((run / "manifest.json").read_text())
     manifest["gate"] = {
-        "verdict": "PASS",
+        "verdict": verdict,
         "reason": "every suite passed",
         "suites": {
             "reasoning": {"candidate_mean": reasoning, "baseline_mean": 0.56},
@@ -43,7 +50,7 @@ def publish_night(store: LocalRegistry, folder: Path, recipe: str, night: int) -
     manifest["quality"] = {"kl_mean": 0.01 * (night + 1), "top1_agreement": top1, "perplexity": 25.0}
     manifest["benchmark"] = {"ttft": {"512": {"median_ms": ttft}}, "tpot": {"median_ms": tpot}}
     (run / "manifest.json").write_text(json.dumps(manifest))
-    store.publish(run, model="llama", recipe=recipe, channel="nightly")
+    store.publish(run, model="llama", recipe=recipe, channel="nightly", force=force)
 
 
 def png_images(page: str) -> list[bytes]:
@@ -95,6 +102,20 @@ def test_the_nightly_report_shows_tonight_last_night_and_stable(tmp_path: Path) 
         "llama/int8/ort-cpu: reasoning 0.556 -&gt; 0.520 (v2 -&gt; v3, drop &gt; 0.02)",
         "llama/int8/ort-cpu: TPOT 10.2 -&gt; 12.0 ms (+18%)",
     ]
+
+
+def test_each_gate_outcome_has_its_own_colour(tmp_path: Path) -> None:
+    store = LocalRegistry(tmp_path / "reg")
+    publish_night(store, tmp_path / "runs" / "0", "int4_awq", 0)
+    forced = "12 items cannot tell; the full gate runs tomorrow"
+    publish_night(store, tmp_path / "runs" / "1", "int4_awq", 1, verdict="INCONCLUSIVE", force=forced)
+    out = tmp_path / "nightly.html"
+    assert main(["nightly", "--root", str(tmp_path / "reg"), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert f"<td><span class='inconclusive'>INCONCLUSIVE (forced: {forced})</span></td>" in page
+    assert "<td><span class='pass'>PASS</span></td>" in page
+    assert ".inconclusive{" in page and ".fail{" in page
+    assert f"llama/int4_awq/ort-cpu@2 was published without a PASS (forced: {forced})" in page
 
 
 def test_an_empty_registry_gives_an_empty_report(tmp_path: Path) -> None:

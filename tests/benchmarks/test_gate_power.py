@@ -1,0 +1,80 @@
+"""``benchmarks/gate_power.py``'s planted regressions do what their rows claim, and its "right?"
+column reads the three outcomes."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gate_power() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gate_power_bench", REPO / "benchmarks" / "gate_power.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def edited(gate_power: ModuleType, tiny_llama: Path, tmp_path: Path, name: str) -> tuple[object, object]:
+    from pipeline.torch_model import load_causal_lm
+
+    gate_power.SOURCE = tiny_llama
+    args = argparse.Namespace(swap=0, temperature=1.25, noise=0.02)
+    folder = gate_power.modified_checkpoint(tmp_path, name, args)
+    assert folder == tmp_path / "models" / name and not list(tmp_path.glob("models/.*"))  # no staging left
+    return load_causal_lm(tiny_llama).eval(), load_causal_lm(folder).eval()
+
+
+def test_colder_scales_every_logit_and_keeps_every_argmax(
+    gate_power: ModuleType, tiny_llama: Path, tmp_path: Path
+) -> None:
+    import torch
+
+    original, colder = edited(gate_power, tiny_llama, tmp_path, "colder")
+    ids = torch.randint(0, original.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base, scaled = original(ids).logits, colder(ids).logits
+    torch.testing.assert_close(scaled, base * 1.25, rtol=1e-4, atol=1e-4)
+    assert torch.equal(scaled.argmax(-1), base.argmax(-1))
+    kl = torch.nn.functional.kl_div(
+        scaled.log_softmax(-1), base.log_softmax(-1), log_target=True, reduction="batchmean"
+    )
+    assert kl > 0  # what the token-level bounds see
+
+
+def test_noisy_moves_every_decoder_weight_by_the_asked_share_of_its_rms(
+    gate_power: ModuleType, tiny_llama: Path, tmp_path: Path
+) -> None:
+    import torch
+
+    original, noisy = edited(gate_power, tiny_llama, tmp_path, "noisy")
+    before = dict(original.named_parameters())
+    linear = [n for n, m in noisy.model.layers.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert linear
+    after = dict(noisy.named_parameters())
+    for name in linear:
+        weight, reference = (
+            after[f"model.layers.{name}.weight"].detach(),
+            before[f"model.layers.{name}.weight"].detach(),
+        )
+        share = (weight - reference).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt()
+        assert 0.015 < float(share) < 0.025, name
+    torch.testing.assert_close(noisy.model.norm.weight, original.model.norm.weight)  # only the linears
+
+
+@pytest.mark.parametrize(
+    ("expected", "verdict", "answer"),
+    [("PASS", "PASS", "yes"), ("FAIL", "FAIL", "yes"), ("FAIL", "INCONCLUSIVE", "safe"),
+     ("PASS", "FAIL", "NO"), ("FAIL", "PASS", "NO"), ("PASS", "INCONCLUSIVE", "NO")],
+)  # fmt: skip
+def test_right_reads_the_three_outcomes(
+    gate_power: ModuleType, expected: str, verdict: str, answer: str
+) -> None:
+    assert gate_power.right({"expected": expected, "verdict": verdict}) == answer
