@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,9 @@ from pipeline.signals import exit_code, interrupt_on_sigterm
 GATE_FAILED = 3  # distinct from a user mistake's 2
 GATE_INCONCLUSIVE = 4  # neither a PASS nor a shown regression: more items, or eval=full
 GATE_EXIT_CODES = {"PASS": 0, "FAIL": GATE_FAILED, "INCONCLUSIVE": GATE_INCONCLUSIVE}
+# Calibration windows at most 1/8 of the engine's context draw the long-context warning.
+SHORT_CALIBRATION = 8
+log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "eval"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -41,9 +45,12 @@ def gate_fn(
     quality: dict[str, Any] | None,
     family: str,
     cache: Path | None,
+    calibrated: int | None = None,
 ) -> dict[str, Any]:
     """Score both engines on the configured suites and judge them, and judge the token-level
-    drift of ``quality`` by the bounds of the recipe's ``family`` (``pipeline.run.GateFn``)."""
+    drift of ``quality`` by the bounds of the recipe's ``family`` (``pipeline.run.GateFn``).
+    ``calibrated``: the shortest calibration window of the recipe's passes, in tokens (None:
+    nothing calibrated), for the long-context warning (``long_context_warning``)."""
     from evals.drift import DriftRule
     from evals.gate import run_gate
     from evals.stats import GateThresholds
@@ -53,7 +60,7 @@ def gate_fn(
     bounds = config.drift.get(family)
     rule = DriftRule(bounds.max_kl, bounds.min_top1, bounds.max_ppl_ratio) if bounds else DriftRule()
     chat = resolve_chat(config, candidate.path)
-    return run_gate(
+    record = run_gate(
         (candidate.path, candidate.digest),
         (baseline.path, baseline.digest),
         config.suites,
@@ -66,6 +73,44 @@ def gate_fn(
         confidence=config.confidence,
         resamples=config.resamples,
         seed=config.seed,
+    )
+    warning = long_context_warning(config, candidate.path, calibrated)
+    record["warnings"] = [warning] if warning else []
+    if warning:
+        log.warning("gate: %s", warning)
+    return record
+
+
+def calibration_length(pass_configs: list[Any]) -> int | None:
+    """The shortest calibration window (``calibration.seq_len``) among the configs of a recipe's
+    passes (as ``Pass.config_dict`` or the manifest's ``passes[i].config`` hold them)."""
+    lengths = [
+        config["calibration"]["seq_len"]
+        for config in pass_configs
+        if isinstance(config, dict)
+        and isinstance(config.get("calibration"), dict)
+        and isinstance(config["calibration"].get("seq_len"), int)
+    ]
+    return min(lengths, default=None)
+
+
+def long_context_warning(config: EvalConfig, engine: Path, calibrated: int | None) -> str | None:
+    """A warning when the gate scores long_context and the recipe calibrated on windows of
+    1/``SHORT_CALIBRATION`` of the engine's context or less: scales fit to short windows miss
+    the activation ranges of long ones, a known cause of long-context loss in quantized models
+    (KVQuant, Hooper et al. 2024, on activation outliers that grow with position)."""
+    if calibrated is None or "long_context" not in config.suites:
+        return None
+    try:
+        max_length = int(json.loads((engine / "engine.json").read_text())["max_length"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if calibrated * SHORT_CALIBRATION > max_length:
+        return None
+    return (
+        f"the recipe calibrated on {calibrated}-token windows, 1/{max_length // calibrated} of the engine's "
+        f"{max_length}-token context: a known cause of long-context loss after quantization; watch "
+        "long_context, or calibrate on longer windows (quant.calibration.seq_len)"
     )
 
 
@@ -254,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         family = config.family or recorded_family(manifest, args.candidate)
         check_same_tokenizer(baseline.path, candidate.path)
         quality = None if args.no_kl else _token_quality(baseline.path, candidate.path)
-        record = gate_fn(candidate, baseline, config, quality, family, args.cache_dir)
+        passes = [p.get("config") for p in manifest.get("passes") or [] if isinstance(p, dict)]
+        record = gate_fn(
+            candidate, baseline, config, quality, family, args.cache_dir, calibration_length(passes)
+        )
     except (PipelineError, GateError, SuiteError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

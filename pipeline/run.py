@@ -28,6 +28,7 @@ from pipeline.base import Pass
 from pipeline.bench import measure
 from pipeline.cache import Cache, library_versions
 from pipeline.config import DRIFT_FAMILIES, BenchConfig, EvalConfig, ModelConfig, QualityConfig
+from pipeline.gate import calibration_length
 from pipeline.manager import PassManager, validate
 from pipeline.manifest import MANIFEST_FILE, build_manifest, write_manifest
 from pipeline.memory import preflight
@@ -52,9 +53,12 @@ OPTIMIZATION_GROUPS = ("prune", "distill", "quant", "kv_cache", "fusion")
 # (candidate engine folder, reference engine folder or None when identical, config) -> record
 QualityFn = Callable[[Path, Path | None, QualityConfig], dict[str, Any]]
 # (candidate engine, baseline engine, config, the quality record, the recipe's drift family,
-# cache folder) -> the gate record ({"verdict": "PASS" | "FAIL" | "INCONCLUSIVE", "reason": ...,
-# "suites": {...}, "drift": {...}}); engines as (folder, content digest).
-GateFn = Callable[[Artifact, Artifact, EvalConfig, dict[str, Any] | None, str, Path | None], dict[str, Any]]
+# cache folder, the recipe's shortest calibration window or None) -> the gate record
+# ({"verdict": "PASS" | "FAIL" | "INCONCLUSIVE", "reason": ..., "suites": {...}, "drift": {...},
+# "warnings": [...]}); engines as (folder, content digest).
+GateFn = Callable[
+    [Artifact, Artifact, EvalConfig, dict[str, Any] | None, str, Path | None, int | None], dict[str, Any]
+]
 
 
 def drift_family(passes: list[Pass]) -> str:
@@ -186,7 +190,8 @@ def run_pipeline(
             log.info("gate: the engine vs the reference engine on %s", ", ".join(eval_cfg.suites))
             reference = _reference(cfg, source, cache)
             gate_cache = cache.root if cache.enabled else None
-            gate = gate_fn(engine, reference, eval_cfg, quality, drift_family(passes), gate_cache)
+            calibrated = calibration_length([p.config_dict() for p in passes])
+            gate = gate_fn(engine, reference, eval_cfg, quality, drift_family(passes), gate_cache, calibrated)
         if bench_cfg.enabled:  # measured where the engine lies, before anything lands in run_dir
             bench_cache = Path(cfg.pipeline.cache_dir) if cfg.pipeline.cache else None
             peer = None

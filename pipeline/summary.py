@@ -130,6 +130,8 @@ def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | No
     console.print(f"engine  {run_dir / engine['path']}  ({engine['target']}, {size:.0f} MiB)")
     console.print(f"record  {run_dir / 'manifest.json'}")
     console.print(f"gate    {manifest['gate']['verdict']} ({manifest['gate']['reason']})")
+    for warning in manifest["gate"].get("warnings") or []:
+        console.print(f"        warning: {warning}")
 
 
 def _gib(value: int | None) -> str:

@@ -189,3 +189,18 @@ def test_the_gate_puts_items_to_the_model_as_its_chat_setting_says(tmp_path: Pat
     assert resolve_chat(EvalConfig(chat=False), jinja) is False
     with pytest.raises(PipelineError, match=r"eval.chat=true: .*raw's tokenizer has no chat template"):
         resolve_chat(EvalConfig(chat=True), raw)
+
+
+def test_a_recipe_calibrated_on_short_windows_warns_when_long_context_is_scored(tmp_path: Path) -> None:
+    from pipeline.config import EvalConfig
+    from pipeline.gate import calibration_length, long_context_warning
+
+    configs = [{"alpha": 0.8, "calibration": {"seq_len": 256}}, {"calibration": {"seq_len": 512}}, {}, None]
+    assert calibration_length(configs) == 256 and calibration_length([{}, None]) is None
+    (tmp_path / "engine.json").write_text(json.dumps({"max_length": 8192}))
+    warning = long_context_warning(EvalConfig(), tmp_path, 256)
+    assert warning is not None and "256-token windows, 1/32 of the engine's 8192-token context" in warning
+    assert "quant.calibration.seq_len" in warning
+    assert long_context_warning(EvalConfig(), tmp_path, 2048) is None  # a quarter of the context
+    assert long_context_warning(EvalConfig(suites=["reasoning"]), tmp_path, 256) is None  # not scored
+    assert long_context_warning(EvalConfig(), tmp_path, None) is None  # nothing calibrated
