@@ -415,6 +415,10 @@ def collect_stats(
     options.add_session_config_entry(
         "session.model_external_initializers_file_folder_path", str(model_path.resolve().parent)
     )
+    # No prepacking, so no second copy of the weights can appear beside the mapped file (the
+    # memory preflight sizes every pass's session as one mapped copy). Measured on the default
+    # model's graph (16 windows x 256 tokens): 9.3 s and a 1.33 GiB peak with or without it.
+    options.add_session_config_entry("session.disable_prepacking", "1")
     session = ort.InferenceSession(_tap_model(model_path, names), options, providers=["CPUExecutionProvider"])
     batches = tqdm(feeds, total=total, desc="calibrate", unit="batch", disable=not progress, leave=False)
     seen = 0

@@ -44,12 +44,6 @@ DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
 # in the allocators. Measured on the default model: 1.0 GiB resident entering AWQ after the
 # sensitivity scan, 0.7 GiB entering the build after the export; counted once per pass.
 OVERHEAD_BYTES = int(1.2 * GIB)
-# A prepacking ONNX Runtime session on a graph copies its MatMul weights into MLAS's packed
-# layout: measured on the default model's fp32 graph (621 MiB of external data), +543 MiB resident
-# per session after loading and +650 MiB at the load's peak; without prepacking (our parity and
-# check sessions) the data file is mapped and the session adds 0.08 GB before it runs. One
-# prefill's activations are added separately.
-SESSION_WEIGHT_COPIES = 1.0
 # Windows a calibrating pass runs through the model at once (its transient activations).
 CALIBRATION_BATCH = 8
 PARITY_TOKENS = 64  # the parity checks' prefill (prompt plus decode steps), tokens
@@ -242,11 +236,12 @@ def generic_estimate(step: Pass, shapes: ModelShapes, index: int = 0) -> Estimat
         parts["session"] = shapes.forward_bytes(1, PARITY_TOKENS)
     elif profile == "graph":
         parts["graph"] = shapes.graph_bytes  # external data memory-mapped, every page read once
-        # A parity or check session does not prepack (pipeline.runtime.ort.session_options): it
-        # maps the same pages. A pass that calibrates through ONNX Runtime runs many prefills in
-        # a prepacked session, which copies the MatMul weights into MLAS's layout.
-        copies = SESSION_WEIGHT_COPIES if _windows(step) is not None else 0.0
-        parts["session"] = int(shapes.graph_bytes * copies) + shapes.forward_bytes(1, PARITY_TOKENS)
+        # No session of a pass prepacks (pipeline.runtime.ort.session_options for parity and
+        # checks, calibration.observers.collect_stats and the KV calibration): prepacking copies
+        # every MatMul weight into MLAS's layout (measured on the default model's 621 MiB fp32
+        # graph: +543 MiB resident after loading, +650 MiB at the load's peak); unpacked, the
+        # session maps the same pages and adds 0.08 GB before it runs, plus a prefill's activations.
+        parts["session"] = shapes.forward_bytes(1, PARITY_TOKENS)
     if weights:
         (device if on_gpu else parts)["weights"] = weights
     windows = _windows(step)
