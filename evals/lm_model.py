@@ -89,6 +89,16 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    length = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        length += 1
+    return length
+
+
 def cut_at_stop(text: str, until: Sequence[str]) -> str:
     """``text`` up to the first occurrence of any non-empty stop string."""
     cut = len(text)
@@ -149,6 +159,8 @@ class EngineLM(TemplateLM):
         if self.chat and not has_template:
             raise EngineError(f"{self.engine.folder}: chat=true but its tokenizer has no chat template")
         self._rendered: set[str] = set()  # contexts rendered by apply_chat_template (lm-eval's own)
+        # Context tokens taken from the previous context's cache instead of run again (scoring).
+        self.prefix_tokens_reused = 0
 
     # ------------------------------------------------------------------ properties
     @staticmethod
@@ -279,8 +291,12 @@ class EngineLM(TemplateLM):
     ) -> list[tuple[float, bool]]:
         """Sum of the continuation's token log-probabilities and whether greedy decoding would
         produce it. Requests sharing a context share one forward pass over it: the context (less
-        its last token) runs once from an empty cache, then each continuation runs on that cache.
-        The result equals one forward over context + continuation."""
+        its last token) runs once, then each continuation runs on that cache. Contexts are taken
+        in token order, so that neighbours share their longest common prefix (the schema block of
+        tool_call items, a long_context haystack, a chat template's opening): the cache of the
+        previous context is cut back to the shared prefix (``truncate_cache``) and only the rest
+        of the new context runs on it. The result equals one forward over context + continuation
+        (to float rounding: the same positions, split into chunks)."""
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         groups: dict[tuple[int, ...], list[tuple[int, list[int], list[int]]]] = defaultdict(list)
         for index, (_, context, continuation) in enumerate(requests):
@@ -301,14 +317,19 @@ class EngineLM(TemplateLM):
             disable=disable_tqdm or self.rank != 0,
         )
         bar.update(len(requests) - sum(len(group) for group in groups.values()))
-        for prefix, members in sorted(groups.items(), key=lambda kv: -len(kv[0])):
-            if prefix:
-                ids = np.asarray(prefix, dtype=np.int64)[None]
-                _, cache = model.step(
-                    ids, np.ones_like(ids), np.arange(len(prefix))[None], model.empty_cache(1)
-                )
-            else:
-                cache = model.empty_cache(1)
+        previous: tuple[int, ...] = ()
+        cache: Any = None
+        for prefix, members in sorted(groups.items()):  # token order: neighbours share prefixes
+            shared = common_prefix_length(previous, prefix)
+            cache = self._cut(cache, shared) if shared else None
+            if cache is None:  # nothing shared, or a cache that cannot be cut back
+                shared, cache = 0, model.empty_cache(1)
+            if len(prefix) > shared:
+                ids = np.asarray(prefix[shared:], dtype=np.int64)[None]
+                mask = np.ones((1, len(prefix)), dtype=np.int64)
+                _, cache = model.step(ids, mask, np.arange(shared, len(prefix))[None], cache)
+            self.prefix_tokens_reused += shared
+            previous = prefix
             for index, inputs, targets in members:
                 ids = np.asarray(inputs, dtype=np.int64)[None]
                 total = len(prefix) + len(inputs)
@@ -328,6 +349,17 @@ class EngineLM(TemplateLM):
                 bar.update(1)
         bar.close()
         return results  # type: ignore[return-value]
+
+    def _cut(self, cache: Any, length: int) -> Any:
+        """The cache of its first ``length`` positions, or None where the model cannot cut one
+        back (a sliding-window buffer that evicts, a model without ``truncate_cache``)."""
+        truncate = getattr(self.engine.model, "truncate_cache", None)
+        if truncate is None:
+            return None
+        try:
+            return truncate(cache, length)
+        except EngineError:  # a sliding window overwrote what it would roll back to
+            return None
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of whole texts (raw, no chat template), in disjoint windows of

@@ -84,6 +84,31 @@ def test_loglikelihood_equals_direct_forward(lm: EngineLM) -> None:
         assert logprob < 0
 
 
+def test_contexts_sharing_a_prefix_run_it_once_and_score_as_one_forward(
+    lm: EngineLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    header = "Tools: search(query), weather(city), calendar(date). Answer with one call.\n"
+    questions = ["Rain in Paris?", "Meetings on Monday?", "Who wrote Dune?", "Rain in Oslo?"]
+    requests = [Req(header + q, answer) for q in questions for answer in (" weather", " search")]
+    requests.append(Req("An unrelated context", " x"))
+    before = lm.prefix_tokens_reused
+    scores = lm.loglikelihood(requests, disable_tqdm=True)
+    assert lm.prefix_tokens_reused - before >= 3 * len(lm.tok_encode(header)) - 3  # 3 of 4 reuse it
+    for request, (logprob, greedy) in zip(requests, scores, strict=True):
+        expected, expected_greedy = direct_score(lm, *lm._encode_pair(*request.args))
+        assert logprob == pytest.approx(expected, abs=1e-4) and greedy == expected_greedy
+
+    # A cache that cannot be cut back (a sliding window that evicts) scores every context afresh.
+    def refuse(cache: Any, length: int) -> Any:
+        raise EngineError("a sliding-window KV buffer cannot be rolled back")
+
+    monkeypatch.setattr(lm.engine.model, "truncate_cache", refuse)
+    before = lm.prefix_tokens_reused
+    afresh = lm.loglikelihood(requests, disable_tqdm=True)
+    assert [a for a, _ in afresh] == pytest.approx([a for a, _ in scores], abs=1e-4)
+    assert [g for _, g in afresh] == [g for _, g in scores] and lm.prefix_tokens_reused == before
+
+
 def test_greedy_flag(lm: EngineLM) -> None:
     context = lm.tok_encode("Once upon a time")
     greedy = []
