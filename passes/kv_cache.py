@@ -191,8 +191,7 @@ def calibrate_amax(folder: Path, calibration: CalibrationConfig) -> tuple[dict[s
     if io.kv_dtype != "float32":
         raise PassError(f"kv_cache: {folder} already stores a {io.kv_dtype} cache; calibrate on fp32")
     windows = token_windows(load_tokenizer(folder), calibration, knob="kv_cache.calibration")
-    # No prepacking: the weights stay one mapped copy (pipeline/memory.py sizes it so).
-    model = OrtModel(folder / read_metadata(folder).get("model_file", "model.onnx"), io, prepack=False)
+    model = OrtModel(folder / read_metadata(folder).get("model_file", "model.onnx"), io)
     amax = {kind: np.zeros((io.num_layers, io.num_kv_heads, io.head_dim), np.float32) for kind in KINDS}
     for feed in tqdm(calibration_feeds(windows, io), total=len(windows), desc="kv_cache: calibrate"):
         ids = feed["input_ids"]
