@@ -49,6 +49,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: make ``pipeline`
 
 from pipeline.bench import host_info, summarize  # noqa: E402
 from pipeline.errors import EngineError, SourceError  # noqa: E402
+from pipeline.runtime.generate import common_prefix_length  # noqa: E402
 
 GREEDY_CHECK_TOKENS = 16
 GREEDY_CHECK_TEXT = "The history of the printing press begins in"
@@ -165,15 +166,6 @@ def ratio(torch_s: dict[str, Any], engine_s: dict[str, Any]) -> float:
     return round(torch_s["median_ms"] / engine_s["median_ms"], 3) if engine_s["median_ms"] else float("nan")
 
 
-def agreeing_prefix(a: list[int], b: list[int]) -> int:
-    count = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        count += 1
-    return count
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from tqdm.auto import tqdm
@@ -266,7 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
     t, e = summarize(samples["torch_tpot"]), summarize(samples["engine_tpot"])
     checked = GREEDY_CHECK_TOKENS
-    agree = agreeing_prefix(torch_tokens[:checked], engine_tokens[:checked])
+    agree = common_prefix_length(torch_tokens[:checked], engine_tokens[:checked])
     return {
         "engine": str(engine_dir),
         "engine_overrides": (manifest or {}).get("overrides"),

@@ -51,6 +51,7 @@ from tqdm import tqdm
 
 from pipeline.errors import EngineError, first_line
 from pipeline.runtime import Engine, GenerationConfig
+from pipeline.runtime.generate import common_prefix_length
 
 MODEL_NAME = "pipeline-engine"
 LM_EVAL_VERSION = "0.4.13"
@@ -87,16 +88,6 @@ def _as_int(value: Any, name: str, minimum: int = 0) -> int:
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    length = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        length += 1
-    return length
 
 
 def cut_at_stop(text: str, until: Sequence[str]) -> str:

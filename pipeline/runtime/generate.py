@@ -40,6 +40,16 @@ class StepModel(Protocol):
     ) -> tuple[np.ndarray, Any]: ...
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    length = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        length += 1
+    return length
+
+
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Stack prompts to one batch, padding on the left; return ids and attention mask."""
     if not prompts or any(len(p) == 0 for p in prompts):
