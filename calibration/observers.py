@@ -416,10 +416,11 @@ def collect_stats(
         "session.model_external_initializers_file_folder_path", str(model_path.resolve().parent)
     )
     # Prepacking stays on: measured on the default model's graph (16 windows x 256 tokens), the
-    # session peaks at 1.33 GiB in 9.3 s with or without it, and at 1.1B this pass peaked at
-    # 5.55 GiB for 4.36 GiB of weights: one copy, as the memory preflight sizes it. Turning it off
-    # changes the GEMMs' summation order, hence the calibrated ranges in their last bits, and
-    # that alone flips greedy answers of the default model's fp8 engine (tests/passes/test_fp8.py).
+    # session peaks at 1.33 GiB in 9.3 s with or without it, and this pass peaked at 5.55 GiB
+    # for a 1.1B graph of 4.36 GiB and 12.82 GiB for a 3B one of 11.06 GiB: one copy, as the
+    # memory preflight sizes it. Turning it off changes the GEMMs' summation order, hence the
+    # calibrated ranges in their last bits, and that alone flips greedy answers of the default
+    # model's fp8 engine (tests/passes/test_fp8.py).
     session = ort.InferenceSession(_tap_model(model_path, names), options, providers=["CPUExecutionProvider"])
     batches = tqdm(feeds, total=total, desc="calibrate", unit="batch", disable=not progress, leave=False)
     seen = 0
