@@ -10,10 +10,10 @@ far; these numbers, over thousands of tokens, can. So they are rules of the defa
 an engine whose drift is far outside what the recipes of its family produce FAILs, whatever the
 suites say; one whose drift was not measured cannot PASS (INCONCLUSIVE).
 
-Families, strictest first (``FAMILIES``): a recipe's family is the loosest of its passes'
-(``Pass.drift_family``; ``pipeline.run.drift_family``), so int4 weights with an fp32 KV cache
-are ``bits4`` and a pruned model quantized to int8 is ``pruned``. The bounds are in
-``configs/eval/_drift.yaml``, with the numbers that justify them.
+Families, strictest first (``pipeline.config.DRIFT_FAMILIES``): a recipe's family is the
+loosest of its passes' (``Pass.drift_family``; ``pipeline.run.drift_family``), so int4 weights
+with an fp32 KV cache are ``bits4`` and a pruned model quantized to int8 is ``pruned``. The
+bounds are in ``configs/eval/_drift.yaml``, with the numbers that justify them.
 """
 
 from __future__ import annotations
@@ -24,9 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from evals.stats import FAIL, INCONCLUSIVE, PASS
-from pipeline.config import DRIFT_FAMILIES
-
-FAMILIES = DRIFT_FAMILIES  # strictest first
 
 
 @dataclass(frozen=True)

@@ -264,7 +264,7 @@ class Scoring(enum.StrEnum):
     gen = "gen"  # greedy generation scored against the item's target (models that can do the task)
 
 
-# The recipe families of the gate's token-level rules, strictest first (evals/drift.py FAMILIES,
+# The recipe families of the gate's token-level rules, strictest first (evals/drift.py,
 # pipeline.base.Pass.drift).
 DRIFT_FAMILIES = ("fp32", "bits16", "bits8", "bits4", "pruned")
 

@@ -174,6 +174,7 @@ def run_pipeline(
     eval_cfg = OmegaConf.to_object(cfg.eval)
     assert isinstance(eval_cfg, EvalConfig)
     gate = None
+    family = drift_family(passes)
     try:
         if shared_cache is not None:
             cache = shared_cache
@@ -191,7 +192,7 @@ def run_pipeline(
             reference = _reference(cfg, source, cache)
             gate_cache = cache.root if cache.enabled else None
             calibrated = calibration_length([p.config_dict() for p in passes])
-            gate = gate_fn(engine, reference, eval_cfg, quality, drift_family(passes), gate_cache, calibrated)
+            gate = gate_fn(engine, reference, eval_cfg, quality, family, gate_cache, calibrated)
         if bench_cfg.enabled:  # measured where the engine lies, before anything lands in run_dir
             bench_cache = Path(cfg.pipeline.cache_dir) if cfg.pipeline.cache else None
             peer = None
@@ -217,7 +218,7 @@ def run_pipeline(
         quality=quality,
         gate=gate,
         speculative=speculative,
-        drift_family=drift_family(passes),
+        drift_family=family,
         started=started,
     )
     return RunResult(run_dir, engine_dir, write_manifest(run_dir, manifest), manifest)
