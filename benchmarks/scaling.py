@@ -15,7 +15,9 @@ What one run does:
 2. **Builds.** Each shape with each ``--recipes`` option (``quant=none int8 int4_awq fp8``), one
    ``python -m pipeline`` subprocess per build (``model.path=<checkpoint> quant=<recipe> eval=none
    bench=none quality.enabled=false registry=none``: no gate, speed benchmark, quality scoring or
-   publication, so the numbers are the passes'), each with its own pipeline cache
+   publication, so the numbers are the passes'; quant recipes with
+   ``quant.sensitivity.enabled=true``, so the scan is measured though only fallback=auto runs it by
+   default), each with its own pipeline cache
    (``--work``/cache/<shape>/<recipe>) so no build takes a pass from another's. Without ``--keep``
    the build's cache and run folder are cleared before it (every pass runs) and its cache and
    engine after it is measured (the manifest and log stay). A build the pipeline's memory
@@ -523,6 +525,8 @@ def build(shape: Shape, checkpoint: Path, recipe: str, args: argparse.Namespace)
         "registry=none",
         f"pipeline.cache_dir={cache_dir.resolve()}",
         f"hydra.run.dir={run_dir.resolve()}",
+        # the sensitivity scan is measured too: by default it runs only for quant.fallback=auto
+        *(["quant.sensitivity.enabled=true"] if recipe != "none" else []),
         *([f"pipeline.max_memory_gib={args.max_memory_gib}"] if args.max_memory_gib else []),
         *args.set,
     ]

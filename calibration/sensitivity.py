@@ -215,12 +215,16 @@ def output_change(quantizer: LayerQuantizer, weight: Any, x: Any, chunks: list[s
     dy = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32, device=device)
     for rows in chunks:
         chunk = weight[rows].float()
-        change = quantizer.weight(chunk).to(device=device, dtype=torch.float32) - chunk
+        quantized = quantizer.weight(chunk).to(device=device, dtype=torch.float32)
+        if quantized.data_ptr() == chunk.data_ptr():
+            quantized = quantized.clone()  # made in place below: never the model's own weight
+        moved = None if input_change is None else input_change @ quantized.T  # (act(x) - x) @ w(W)^T
+        change = quantized.sub_(chunk)  # w(W) - W, in place
         part = inputs @ change.T
-        if input_change is not None:  # act(x) @ w(W)^T - x @ W^T
-            part += input_change @ (chunk + change).T
+        if moved is not None:  # act(x) @ w(W)^T - x @ W^T
+            part += moved
         dy[..., rows] = part
-        del change, part
+        del change, part, moved
     return dy
 
 
@@ -314,8 +318,10 @@ def fisher_scores(
                 logits = model(input_ids=ids.to(device), use_cache=False).logits
                 logprobs = torch.log_softmax(logits.float(), dim=-1)
                 probs = logprobs.detach().exp().reshape(-1, logprobs.shape[-1]).cpu()
+                # every sample's labels in one draw (one pass over the vocabulary, not one a sample)
+                drawn = torch.multinomial(probs, samples, replacement=True, generator=generator).to(device)
                 for sample in range(samples):
-                    labels = torch.multinomial(probs, 1, generator=generator).to(device)
+                    labels = drawn[:, sample : sample + 1]
                     picked = logprobs.reshape(-1, logprobs.shape[-1]).gather(-1, labels).sum()
                     picked.backward(retain_graph=sample < samples - 1)
                 del logits, logprobs, picked

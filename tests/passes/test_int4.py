@@ -184,13 +184,14 @@ def test_group_size_must_divide_every_input_width(tiny_source: Artifact) -> None
 
 
 def test_hydra_recipe_expands_around_export() -> None:
-    cfg = compose_recipe(["quant=int4_gptq", "quant.group_size=32", "quant.exclude=[lm_head]"])
+    scan = "quant.sensitivity.enabled=true"  # for the record: by default only fallback=auto scans
+    cfg = compose_recipe(["quant=int4_gptq", "quant.group_size=32", "quant.exclude=[lm_head]", scan])
     passes = build_passes(cfg)
     assert [p.name for p in passes] == ["sensitivity", "gptq", "export", "int4_lowering", "build"]
     assert passes[1].config.group_size == 32 and passes[3].config.exclude == ["lm_head"]
     assert passes[1].config.calibration == CalibrationConfig()
     assert passes[0].config.group_size == 32 and passes[0].config.exclude == ["lm_head"]
-    cfg = compose_recipe(["quant=int4_awq", "quant.lowering=qdq", "quant.calibration.num_samples=8"])
+    cfg = compose_recipe(["quant=int4_awq", "quant.lowering=qdq", "quant.calibration.num_samples=8", scan])
     passes = build_passes(cfg)
     assert [p.name for p in passes] == ["sensitivity", "awq", "export", "int4_lowering", "build"]
     assert passes[1].config.calibration.num_samples == 8 and passes[3].config.lowering == "qdq"

@@ -322,7 +322,8 @@ def test_int4_gptq_on_the_default_model(tmp_path: Path) -> None:
     calibration = ["quant.calibration.num_samples=8", "quant.calibration.seq_len=128"]
     # accuracy_level=0: fp32 compute, so the graph must equal the fake-quantized torch model (the
     # default, 4, quantizes activations to int8 per block: ~92% greedy agreement with it).
-    cfg = compose_recipe(["model=llama", "quant=int4_gptq", *calibration, "quant.accuracy_level=0"])
+    scan = "quant.sensitivity.enabled=true"  # the scan on the default model's 211 layers, for the record
+    cfg = compose_recipe(["model=llama", "quant=int4_gptq", *calibration, "quant.accuracy_level=0", scan])
     model_cfg = OmegaConf.to_object(cfg.model)
     assert isinstance(model_cfg, ModelConfig)
     source = resolve_source(model_cfg, REPO / "artifacts" / "models")  # shared with the CLI: converted once

@@ -43,10 +43,18 @@ RECIPES = {
         ("fp8", ["sensitivity", "export", "calibrate-activations", "fp8-qdq", "build"]),
     ],
 )
-def test_every_recipe_scans_before_it_quantizes(recipe: str, names: list[str]) -> None:
-    assert [p.name for p in build_passes(compose_recipe(RECIPES[recipe]))] == names
-    disabled = build_passes(compose_recipe([*RECIPES[recipe], "quant.sensitivity.enabled=false"]))
-    assert [p.name for p in disabled] == [n for n in names if n != "sensitivity"]
+def test_every_recipe_scans_before_it_quantizes_when_asked(recipe: str, names: list[str]) -> None:
+    """By default the scan runs when quant.fallback=auto reads it; enabled=true runs it for the
+    record alone, enabled=false never (and then fallback=auto is a ConfigError, below)."""
+    without = [n for n in names if n != "sensitivity"]
+    assert [p.name for p in build_passes(compose_recipe(RECIPES[recipe]))] == without
+    for knobs, expected in (
+        (["quant.fallback=auto"], names),
+        (["quant.sensitivity.enabled=true"], names),
+        (["quant.sensitivity.enabled=false"], without),
+        (["quant.sensitivity.enabled=null", "quant.fallback=none"], without),
+    ):
+        assert [p.name for p in build_passes(compose_recipe([*RECIPES[recipe], *knobs]))] == expected
 
 
 @pytest.mark.parametrize(
@@ -211,3 +219,26 @@ def test_memory_estimate_adds_the_fisher_backward_to_the_whole_model(tiny_llama:
     fisher, exact = SensitivityPass(), SensitivityPass(sensitivity={"method": "exact"})
     generic = generic_estimate(fisher, shapes).host_bytes
     assert generic < exact.estimate_memory(shapes) < fisher.estimate_memory(shapes)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "float8e4m3fn"])
+def test_torch_fake_quant_is_the_graph_passes_numpy_math_bit_for_bit(fmt_name: str) -> None:
+    """The scan simulates int8/fp8 in torch; the graph passes quantize with ``Format.fake_quant``.
+    Ties, saturation, subnormals and a zero range included: every element must agree exactly."""
+    import numpy as np
+
+    from calibration.observers import FORMATS
+    from passes.sensitivity import torch_fake_quant
+
+    fmt = FORMATS[fmt_name]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 257, generator=generator) * torch.logspace(-6, 2, 257)
+    x[0, :8] = torch.tensor([0.5, 1.5, -2.5, 3.5, 1e-9, -0.0, 1e6, -1e6])  # ties, tiny, saturating
+    rows = x.abs().amax(dim=1, keepdim=True)
+    rows[1] = 0.0  # an all-zero range gets scale 1 in both
+    x[1] = 0.0
+    for amax in (rows, torch.tensor(3.25), torch.tensor(0.0)):
+        expected = fmt.fake_quant(x.numpy(), amax.numpy())
+        got = torch_fake_quant(fmt, x, amax).numpy()
+        assert got.dtype == np.float32
+        assert np.array_equal(got.view(np.uint32), expected.astype(np.float32).view(np.uint32))

@@ -46,7 +46,7 @@ def test_the_engine_carries_its_draft_and_decodes_with_it(speculative_run: tuple
     plan = manifest["speculative"]
     assert plan["k"] == 3 and plan["draft_layers"] == 1
     # The default draft: depth-pruned, distilled, then INT4 (AWQ) whatever the target's precision.
-    names = ["prune", "distill", "sensitivity", "awq", "export", "int4_lowering", "build"]
+    names = ["prune", "distill", "awq", "export", "int4_lowering", "build"]
     assert [p["name"] for p in plan["draft_passes"]] == names
     assert [p["name"] for p in manifest["passes"]] == ["export", "build"]  # the target's own
     assert "MatMulNBits" in graph_ops(engine.draft.folder / "model.onnx")
