@@ -227,7 +227,7 @@ class SensitivityPass(Pass):
 
     Config = SensitivityPassConfig
     name = "sensitivity"
-    version = 2  # 2: quant.sensitivity.method (fisher by default), placement knobs
+    version = 3  # 2: quant.sensitivity.method (fisher by default), placement knobs; 3: one label draw
     consumes = Kind.TORCH
     produces = Kind.TORCH
     placement_knobs = ("device", "torch_dtype")
