@@ -50,6 +50,29 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return length
 
 
+# Tokens a step when a context is prefilled only for its KV cache (evals/lm_model.py scoring).
+# One step over a long context materializes [heads, T, T] attention scores and [T, vocab] logits
+# nothing reads (8k tokens: 1.6 GB of logits); in 512-token steps the default fp32 model
+# prefills 8000 tokens in 17.4 s instead of 40.6 s (2 cores, /tmp timing of OrtModel.step).
+PREFILL_CHUNK = 512
+
+
+def prefill(
+    model: StepModel, tokens: Sequence[int], cache: Any, start: int = 0, chunk: int = PREFILL_CHUNK
+) -> Any:
+    """``cache`` with ``tokens`` appended at positions ``start``.., run in steps of at most
+    ``chunk`` tokens (0: one step); the logits are dropped. Equal to one step to float rounding:
+    every position attends to the same keys, split across steps."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    step = chunk if chunk > 0 else max(len(ids), 1)
+    for offset in range(0, len(ids), step):
+        part = ids[offset : offset + step]
+        end = start + offset + len(part)
+        mask = np.ones((1, end), dtype=np.int64)
+        _, cache = model.step(part[None], mask, np.arange(start + offset, end)[None], cache)
+    return cache
+
+
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Stack prompts to one batch, padding on the left; return ids and attention mask."""
     if not prompts or any(len(p) == 0 for p in prompts):

@@ -84,6 +84,36 @@ def test_loglikelihood_equals_direct_forward(lm: EngineLM) -> None:
         assert logprob < 0
 
 
+def test_long_contexts_prefill_in_chunks_and_score_as_one_forward(
+    tiny_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prefill_chunk=5: no step runs more than 5 context tokens, and every score equals the
+    one-step prefill's (prefill_chunk=0) and the direct forward's, to float rounding."""
+    context = "One two three four five six seven eight nine ten eleven twelve thirteen fourteen"
+    requests = [Req(context, c) for c in (" fifteen", " sixteen seventeen", " zero")]
+    chunked = EngineLM(engine=str(tiny_engine.path), prefill_chunk=5)
+    whole = EngineLM(engine=str(tiny_engine.path), prefill_chunk="0")
+    widths: list[int] = []
+    step = chunked.engine.model.step
+
+    def recording(ids: Any, *args: Any) -> Any:
+        widths.append(ids.shape[1])
+        return step(ids, *args)
+
+    monkeypatch.setattr(chunked.engine.model, "step", recording)
+    scores = chunked.loglikelihood(requests, disable_tqdm=True)
+    context_tokens = len(chunked._encode_pair(*requests[0].args)[0])
+    assert context_tokens > 10 and max(widths[:-3]) == 5  # the context in chunks, then 3 continuations
+    assert sum(widths[:-3]) == context_tokens - 1  # its last token is fed with each continuation
+    one_step = whole.loglikelihood(requests, disable_tqdm=True)
+    assert [a for a, _ in scores] == pytest.approx([a for a, _ in one_step], abs=1e-4)
+    for request, (logprob, greedy) in zip(requests, scores, strict=True):
+        expected, expected_greedy = direct_score(whole, *whole._encode_pair(*request.args))
+        assert logprob == pytest.approx(expected, abs=1e-4) and greedy == expected_greedy
+    with pytest.raises(EngineError, match="prefill_chunk"):
+        EngineLM(engine=str(tiny_engine.path), prefill_chunk="-1")
+
+
 def test_contexts_sharing_a_prefix_run_it_once_and_score_as_one_forward(
     lm: EngineLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
