@@ -1,5 +1,8 @@
 """Per-layer quantization sensitivity and ``quant.fallback=auto`` (torch -> torch).
 
+The scan runs in a recipe when ``quant.fallback=auto`` reads its ranking, or for the record with
+``quant.sensitivity.enabled=true`` (``scans``); it costs about five forwards of the model.
+
 For every linear layer a recipe would quantize, the KL divergence of the next-token distribution
 from the fp32 model's when only that layer is quantized (``calibration/sensitivity.py``; the
 layer-wise scan of mixed-precision work such as HAWQ, Dong et al. 2019, arXiv:1905.03696).
