@@ -234,13 +234,14 @@ def test_recipe_expands_to_graph_passes() -> None:
     from pipeline.plugins import build_passes
     from tests.pipeline.recipe import compose_recipe
 
-    cfg = compose_recipe(["quant=fp8", "quant.calibration.num_samples=8", "quant.observer=mse"])
+    scan = "quant.sensitivity.enabled=true"  # for the record: by default only fallback=auto scans
+    cfg = compose_recipe(["quant=fp8", "quant.calibration.num_samples=8", "quant.observer=mse", scan])
     passes = build_passes(cfg)
     assert [p.name for p in passes] == ["sensitivity", "export", "calibrate-activations", "fp8-qdq", "build"]
     assert passes[2].config.calibration.num_samples == 8 and passes[3].config.observer == "mse"
     assert all(p.consumes == p.produces == Kind.GRAPH for p in passes[2:4])
     assert passes[0].config.weight == "fp8" and passes[0].config.activations
-    weight_only = build_passes(compose_recipe(["quant=fp8", "quant.activations=false"]))
+    weight_only = build_passes(compose_recipe(["quant=fp8", "quant.activations=false", scan]))
     assert [p.name for p in weight_only] == ["sensitivity", "export", "fp8-qdq", "build"]
     assert not weight_only[0].config.activations
     with pytest.raises(Exception, match="observer"):
@@ -261,10 +262,10 @@ def test_cli_builds_a_generating_engine_and_reruns_from_cache(tiny_llama: Path, 
         return json.loads((tmp_path / name / "manifest.json").read_text())
 
     first = run("run1")
-    names = ["sensitivity", "export", "calibrate-activations", "fp8-qdq", "build"]
+    names = ["export", "calibrate-activations", "fp8-qdq", "build"]  # no fallback=auto: no scan
     assert [p["name"] for p in first["passes"]] == names
     assert not any(p["cache_hit"] for p in first["passes"])
-    assert first["passes"][3]["metrics"]["vs_input"]["finite"]
+    assert first["passes"][2]["metrics"]["vs_input"]["finite"]
     engine = Engine(tmp_path / "run1" / "engine")
     tokens = engine.generate_ids([[5, 17, 42]], GenerationConfig(max_new_tokens=6, stop_at_eos=False)).tokens
     assert len(tokens[0]) == 6

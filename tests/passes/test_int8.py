@@ -275,8 +275,9 @@ def test_graph_pass_errors(
 
 def test_recipe_expands_to_both_stages() -> None:
     cfg = compose_recipe(
-        ["quant=int8", "quant.alpha=0.7", "quant.calibration.num_samples=16", "quant.exclude=[lm_head]"]
-    )
+        ["quant=int8", "quant.alpha=0.7", "quant.calibration.num_samples=16", "quant.exclude=[lm_head]",
+         "quant.sensitivity.enabled=true"]  # the scan for the record: by default only fallback=auto scans
+    )  # fmt: skip
     passes = build_passes(cfg)
     assert [p.name for p in passes] == ["smoothquant", "sensitivity", "export", "int8_qdq", "build"]
     smooth, scan, qdq = passes[0].config, passes[1].config, passes[3].config
@@ -315,9 +316,9 @@ def test_cli_end_to_end(tiny_llama: Path, tmp_path: Path) -> None:
     result = run_cli(tiny_llama, tmp_path, "quant.calibration.num_samples=4", "quant.calibration.seq_len=32")
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    names = ["smoothquant", "sensitivity", "export", "int8_qdq", "build"]
+    names = ["smoothquant", "export", "int8_qdq", "build"]  # no fallback=auto: no scan
     assert [p["name"] for p in manifest["passes"]] == names
-    assert manifest["passes"][3]["metrics"]["ort_kernels"]["MatMulIntegerToFloat"] == 12
+    assert manifest["passes"][2]["metrics"]["ort_kernels"]["MatMulIntegerToFloat"] == 12
     quality = manifest["quality"]
     assert not quality["same_engine"] and 0 < quality["top1_agreement"] <= 1 and quality["perplexity"] > 1
     assert manifest["recipe"]["quant"]["alpha"] == 0.8
