@@ -53,7 +53,8 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 # Tokens a step when a context is prefilled only for its KV cache (evals/lm_model.py scoring).
 # One step over a long context materializes [heads, T, T] attention scores and [T, vocab] logits
 # nothing reads (8k tokens: 1.6 GB of logits); in 512-token steps the default fp32 model
-# prefills 8000 tokens in 17.4 s instead of 40.6 s (2 cores; benchmarks/prefill_chunks.py).
+# prefills 8000 tokens in 17.8 s instead of 38.9 s, 2000 in 2.3 s instead of 3.1 (2 cores;
+# benchmarks/prefill_chunks.py; 1024-token steps: 18.6 and 2.6 s).
 PREFILL_CHUNK = 512
 
 
