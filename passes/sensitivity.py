@@ -88,7 +88,7 @@ class SensitivityConfig:
     a minute with ``exact``, seconds with ``fisher``."""
 
     # null (the default): scan when quant.fallback=auto uses the ranking, not for the record alone.
-    # The Fisher scan is about five forwards of the model: 15-35 % of an int8 or fp8 build of the
+    # The Fisher scan is about five forwards of the model: 20-28 % of an int8 or fp8 build of the
     # 1.1B shape on 2 cores (benchmarks/scaling.py), a cost a nightly build should not pay for a
     # ranking nothing reads. true: scan for the record anyway; false: never.
     enabled: bool | None = None
