@@ -213,8 +213,11 @@ print(json.dumps([r.to_dict() for r in records]))
 
 def test_resources_are_measured_per_pass_and_kept_by_cache_hits(source: Artifact, tmp_path: Path) -> None:
     """In a fresh process: inside the whole suite's process (1.5 GB of RSS from earlier tests)
-    CI twice saw the allocating pass and the next one report the same peak, which a test of the
-    meter must not depend on. The cache-hit half runs here, on the entries it wrote."""
+    CI twice saw the allocating pass and the next one report the same peak. Likely (not proven):
+    that heap already held a free chunk of 384 MiB, malloc served the buffer from it and free
+    kept its pages resident, so RSS, and the next pass's reset mark, still held them: the meter
+    reported true RSS, the test's premise that a freed buffer leaves RSS failed. The cache-hit
+    half runs here, on the entries the fresh process wrote."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-c", MEASURE_IN_FRESH_PROCESS, str(source.path), str(tmp_path / "cache")]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
