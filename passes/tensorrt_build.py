@@ -55,6 +55,7 @@ from pipeline.config import register_pass
 from pipeline.errors import PassError
 from pipeline.gpu import require_tensorrt, tensorrt_module
 from pipeline.graph_io import link_folder_files
+from pipeline.lint import table_disagreements
 from pipeline.runtime.ort import ENGINE_FILE
 
 log = logging.getLogger(__name__)
@@ -235,6 +236,14 @@ class TensorRtBuildPass(Pass):
                 f"build: TensorRT's ONNX parser refused {model_file.name}: {'; '.join(errors[:3])}"
                 + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else "")
             )
+        # The lint's support table (onnx-tensorrt's for 10.15) against this parser's own answer.
+        lint_table_disagreements = table_disagreements(parser.supports_operator)
+        if any(lint_table_disagreements.values()):
+            log.warning(
+                "build: pipeline/data/onnx_tensorrt_ops.json disagrees with TensorRT %s's parser: %s",
+                version,
+                lint_table_disagreements,
+            )
         config = builder.create_builder_config()
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(self.config.workspace_gib * 2**30))
         config.builder_optimization_level = self.config.builder_optimization_level
@@ -260,8 +269,7 @@ class TensorRtBuildPass(Pass):
             raise PassError("build: TensorRT could not build the engine; its log above says why")
         plan_bytes = bytes(plan)
         (out_dir / PLAN_FILE).write_bytes(plan_bytes)
-        if cache_file is not None:
-            save_timing_cache(cache_file, config)
+        timing_saved = save_timing_cache(cache_file, config) if cache_file is not None else "off"
         # The tokenizer and config files, hard-linked (the plan replaces the graph and its data).
         others = [i.name for i in source.path.iterdir() if not (i.is_file() and i.suffix in KEPT_SUFFIXES)]
         link_folder_files(source.path, out_dir, skip=others)
@@ -275,6 +283,8 @@ class TensorRtBuildPass(Pass):
             "profiles": {name: {t: list(s) for t, s in shapes.items()} for name, shapes in profiles.items()},
             "graph_digest": source.digest,
             "timing_cache_hit": timing_hit,
+            "timing_cache_saved": timing_saved,
+            "lint_table_disagreements": lint_table_disagreements,
         }
         kv = metadata.get("kv_cache", {})
         write_json(
@@ -297,7 +307,7 @@ class TensorRtBuildPass(Pass):
         )
         return {
             "max_length": max_length,
-            "plan_mib": round(len(bytes(plan)) / 2**20, 1),
+            "plan_mib": round(len(plan_bytes) / 2**20, 1),
             "timing_cache_hit": timing_hit,
         }
 
@@ -313,16 +323,33 @@ class TensorRtBuildPass(Pass):
         return {"engine_check": "ok"}
 
 
-def save_timing_cache(path: Path, config: Any) -> None:
+def save_timing_cache(path: Path, config: Any) -> str:
     """Merge this build's timing cache into the file (``ITimingCache.combine``), atomically and
-    under a lock, so concurrent builds on one machine add to it rather than overwrite it."""
+    under a lock, so concurrent builds on one machine add to it rather than overwrite it.
+
+    Returns what happened: ``created``, ``merged``, or ``replaced`` when TensorRT refused the
+    merge (``combine`` returns False: the file was written by another TensorRT or device, or is
+    damaged). Then this build's timings replace the file's, with a warning, rather than being
+    dropped while the unusable file is written back."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         cache = config.get_timing_cache()
+        outcome = "created"
         if path.is_file():
             merged = config.create_timing_cache(path.read_bytes())
-            merged.combine(cache, False)
-            cache = merged
+            if merged.combine(cache, False):
+                cache, outcome = merged, "merged"
+            else:
+                outcome = "replaced"
+                log.warning(
+                    "build: TensorRT refused to merge this build's timings into %s (another TensorRT "
+                    "or device wrote it, or it is damaged); replacing it with this build's",
+                    path,
+                )
         staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        staging.write_bytes(bytes(cache.serialize()))
-        os.replace(staging, path)
+        try:
+            staging.write_bytes(bytes(cache.serialize()))
+            os.replace(staging, path)
+        finally:
+            staging.unlink(missing_ok=True)
+    return outcome

@@ -11,12 +11,23 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeline.errors import ConfigError
 
-GPU_INSTALL = 'pip install ".[gpu]" on a machine with an NVIDIA GPU'
+GPU_INSTALL = (
+    'pip install ".[gpu]" --extra-index-url https://pypi.nvidia.com on a machine with an NVIDIA GPU '
+    '(".[gpu-cu12]" for a driver older than R580)'
+)
+# TensorRT's libraries are wheels on NVIDIA's index; the PyPI packages of the same name are sdists
+# that fetch them from there at install time (wheel-stub), which fails on a machine that cannot
+# reach it, leaving the bindings without their libraries.
+LIBS_INSTALL = (
+    "pip install --extra-index-url https://pypi.nvidia.com tensorrt-cu13-libs=={version} "
+    "(tensorrt-cu12-libs for a driver older than R580)"
+)
 ORT_GPU_INSTALL = "pip uninstall -y onnxruntime && pip install onnxruntime-gpu==1.31.1"
 
 
@@ -59,11 +70,20 @@ def tensorrt_module() -> Any:
     try:
         trt = importlib.import_module("tensorrt")
     except ImportError as exc:
+        library = _missing_library(exc)
+        if library is None:
+            raise ConfigError(
+                f"TensorRT is not installed ({exc}): target=tensorrt needs it; {GPU_INSTALL}"
+            ) from None
         raise ConfigError(
-            f"TensorRT is not installed ({exc}): target=tensorrt needs it; {GPU_INSTALL}"
+            f"TensorRT's Python bindings are installed but its libraries are not ({library} is "
+            f"missing): {LIBS_INSTALL.format(version=_bindings_version())}"
         ) from None
-    except OSError as exc:  # the bindings are there but libnvinfer is not loadable
-        raise ConfigError(f"TensorRT's libraries do not load ({exc}): reinstall with {GPU_INSTALL}") from None
+    except OSError as exc:  # ctypes could not load a library the bindings' __init__ opens
+        raise ConfigError(
+            f"TensorRT's Python bindings are installed but its libraries do not load ({exc}): "
+            f"{LIBS_INSTALL.format(version=_bindings_version())}"
+        ) from None
     major = int(str(getattr(trt, "__version__", "0")).split(".")[0] or 0)
     if major < 11:
         raise ConfigError(
@@ -71,6 +91,25 @@ def tensorrt_module() -> Any:
             f"for TensorRT 11 or newer: {GPU_INSTALL}"
         )
     return trt
+
+
+def _missing_library(exc: ImportError) -> str | None:
+    """The shared library an import could not open ("libnvinfer.so.11: cannot open shared object
+    file"), or None when the import failed for another reason (no such module)."""
+    message = str(exc)
+    if isinstance(exc, ModuleNotFoundError) or "cannot open shared object" not in message:
+        return None
+    return message.split(":", 1)[0].strip()
+
+
+def _bindings_version() -> str:
+    """The installed bindings' version, for the matching libraries wheel."""
+    for distribution in ("tensorrt-cu13-bindings", "tensorrt-cu12-bindings"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "<the bindings' version>"
 
 
 @functools.cache

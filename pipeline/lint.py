@@ -15,10 +15,16 @@ reports, node by node:
   scales on activations, per-tensor or per-channel on weights; INT4 only as a block-quantized
   2-D weight initializer dequantized along its input axis.
 
-The support matrix is data (``pipeline/data/onnx_tensorrt_ops.json``: the onnx-tensorrt
-``docs/operators.md`` table, with its commit and TensorRT version, plus the ops TensorRT 11 adds,
-each with its source). Run as ``python -m pipeline.lint <graph or engine folder | model.onnx>``:
-one line per finding, exit status 1 when there is any.
+The support matrix is data (``pipeline/data/onnx_tensorrt_ops.json``): onnx-tensorrt's
+``docs/operators.md`` table for TensorRT 10.15, parsed row by row, with its commit. TensorRT 11's
+table is not published where we could read it, so an op that 11 added is reported as
+``unsupported-op`` until the file is updated. Where TensorRT itself runs (a GPU machine), the
+build pass compares the table with the parser's own ``OnnxParser.supports_operator``
+(:func:`table_disagreements`) and records every disagreement in the engine's ``tensorrt`` record:
+that list is what to update the file from.
+
+Run as ``python -m pipeline.lint <graph or engine folder | model.onnx>``: one line per finding,
+exit status 1 when there is any.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
@@ -64,6 +70,23 @@ class Finding:
 @cache
 def support_table() -> dict[str, Any]:
     return json.loads(SUPPORT_TABLE.read_text())
+
+
+def table_disagreements(supports_operator: Callable[[str], bool]) -> dict[str, list[str]]:
+    """Where the support table and a TensorRT parser disagree. ``supports_operator``: the
+    parser's ``OnnxParser.supports_operator``. ``table_only``: ops the table marks supported that
+    the parser has no importer for; ``parser_only``: ONNX standard ops the parser imports that
+    the table marks unsupported or does not list (for TensorRT 11, what it added since 10.15)."""
+    import onnx
+
+    rows = support_table()["ops"]
+    schemas = onnx.defs.get_all_schemas_with_history()
+    standard = {schema.name for schema in schemas if schema.domain in STANDARD_DOMAINS}
+    table_only = sorted(op for op, row in rows.items() if row["supported"] and not supports_operator(op))
+    parser_only = sorted(
+        op for op in standard | set(rows) if not rows.get(op, {}).get("supported") and supports_operator(op)
+    )
+    return {"table_only": table_only, "parser_only": parser_only}
 
 
 def model_file(path: Path) -> Path:

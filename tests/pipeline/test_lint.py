@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 from pipeline.artifacts import Artifact
 from pipeline.cache import Cache
-from pipeline.lint import Finding, LintError, lint
+from pipeline.lint import Finding, LintError, lint, support_table, table_disagreements
 from pipeline.manager import PassManager
 from pipeline.plugins import build_passes
 from tests.pipeline.recipe import compose_recipe
@@ -160,3 +161,19 @@ def test_the_command_line(graphs: dict[str, Path], tmp_path: Path) -> None:
     )
     with pytest.raises(LintError, match="holds no ONNX graph"):
         lint(tmp_path)
+
+
+def test_the_support_table_is_compared_with_a_parser() -> None:
+    """On a GPU machine the build pass hands TensorRT's ``OnnxParser.supports_operator`` to
+    table_disagreements; here a parser is described by the ops it imports. Agreement gives two
+    empty lists; an op the table marks supported but the parser lacks, and ops the parser imports
+    that the table marks unsupported or does not list, are named."""
+    rows = support_table()["ops"]
+    supported = {op for op, row in rows.items() if row["supported"]}
+    assert table_disagreements(supported.__contains__) == {"table_only": [], "parser_only": []}
+    unsupported = sorted(op for op, row in rows.items() if not row["supported"])[0]
+    standard = {schema.name for schema in onnx.defs.get_all_schemas_with_history() if schema.domain == ""}
+    unlisted = sorted(standard - set(rows))[0]  # ONNX has ops newer than the 10.15 table (Swish, ...)
+    parser = (supported - {"MatMul"}) | {unsupported, unlisted, "NotAnOnnxOp"}
+    found = table_disagreements(parser.__contains__)
+    assert found == {"table_only": ["MatMul"], "parser_only": sorted([unsupported, unlisted])}
