@@ -27,13 +27,14 @@ from typing import Any
 from evals.drift import DriftRule, judge_drift
 from evals.stats import FAIL, INCONCLUSIVE, PASS, GateThresholds, compare_suite, resolution, verdict
 from pipeline.cache import load_record, write_record
+from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 
 OUTCOMES = (PASS, INCONCLUSIVE, FAIL)  # best first: the gate's outcome is its worst row's
 
 
-class GateError(ValueError):
+class GateError(PipelineError, ValueError):
     """The two scorings cannot be paired (different items, a changed suite, ...)."""
 
 

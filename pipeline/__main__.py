@@ -101,8 +101,6 @@ def main(cfg: DictConfig) -> None:
 def run(cfg: DictConfig, run_dir: Path) -> tuple[int, str]:
     """One job: (exit code, what it ended with). Errors are printed here, one line each."""
     from evals.agreement import compare
-    from evals.gate import GateError
-    from evals.suites import SuiteError
     from pipeline.gate import GATE_EXIT_CODES, check_eval, gate_fn
     from pipeline.nightly import apply_nightly
     from pipeline.publish import check_registry, publish_run
@@ -131,7 +129,7 @@ def run(cfg: DictConfig, run_dir: Path) -> tuple[int, str]:
             assert isinstance(registry_cfg, RegistryConfig)
             check_registry(registry_cfg)
         result = run_pipeline(cfg, run_dir, overrides, quality_fn=quality, gate_fn=gate_fn)
-    except (PipelineError, GateError, SuiteError) as exc:
+    except PipelineError as exc:  # the gate's and the suites' errors too
         log.debug("pipeline error", exc_info=True)
         return fail(getattr(exc, "exit_code", USER_ERROR), f"error: {exc}")
     except OSError as exc:

@@ -286,9 +286,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from evals.gate import GateError
-    from evals.suites import SuiteError
-
     interrupt_on_sigterm()
     args = parse_args(argv)
     try:
@@ -303,9 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         record = gate_fn(
             candidate, baseline, config, quality, family, args.cache_dir, calibration_length(passes)
         )
-    except (PipelineError, GateError, SuiteError) as exc:
+    except PipelineError as exc:  # GateError and SuiteError are PipelineErrors
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except OSError as exc:  # e.g. the score cache cannot be written: one line naming the path
         print(f"error: {describe_os_error(exc)}", file=sys.stderr)
         return 1

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pipeline.errors import PipelineError
+
 # Bump when a generator changes what it produces; MANIFEST.json records the version it was
 # frozen with, and the loader refuses a mismatch.
 GENERATOR_VERSION = 3
@@ -31,9 +33,11 @@ WRITE_HINT = "regenerate with `python -m evals.suites --write`"
 T = TypeVar("T")
 
 
-class SuiteError(ValueError):
+class SuiteError(PipelineError, ValueError):
     """A suite that cannot be used as it is: unknown name or size, or frozen data that does not
-    match its manifest or generator. The message is one line naming the file and the fix."""
+    match its manifest or generator. The message is one line naming the file and the fix (a
+    PipelineError, so every entry point reports it the same way; a ValueError for callers that
+    validate parameters)."""
 
 
 @dataclass

@@ -17,7 +17,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from evals.suites import SuiteError
 from evals.tasks import TASKS_DIR
 from pipeline.errors import PipelineError
 
@@ -37,9 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.argv = [sys.argv[0] if sys.argv else "evals.tasks", *args]  # lm-eval's parser reads sys.argv
     try:
         cli_evaluate()
-    except (PipelineError, SuiteError) as error:
+    except PipelineError as error:  # SuiteError is one
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return error.exit_code
     return 0
 
 

@@ -368,3 +368,29 @@ def test_job_status_is_one_line(tmp_path: Path) -> None:
     status = json.loads((tmp_path / JOB_STATUS).read_text())
     assert status == {"exit_code": 2, "message": "error: first line; detail: second; third"}
     assert one_line("Could not override 'x'.\nDid you mean y?") == "Could not override 'x'. Did you mean y?"
+
+
+def test_every_error_of_ours_is_a_pipeline_error() -> None:
+    """One error tree: every public exception class our packages define is a PipelineError, so
+    every entry point reports it the same way (one line, its exit code). Private ones
+    (``_StopForward``) are control flow that never leaves its module."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from pipeline.errors import PipelineError
+
+    ours = []
+    for package in ("pipeline", "evals", "passes", "calibration"):
+        root = importlib.import_module(package)
+        for info in pkgutil.walk_packages(root.__path__, f"{package}."):
+            if info.name.endswith("__main__"):
+                continue
+            module = importlib.import_module(info.name)
+            for _, cls in inspect.getmembers(module, inspect.isclass):
+                public = cls.__module__ == info.name and not cls.__name__.startswith("_")
+                if public and issubclass(cls, Exception):
+                    ours.append(cls)
+    names = {cls.__qualname__ for cls in ours}
+    assert {"GateError", "SuiteError", "LintError", "RegistryError", "EngineError"} <= names
+    assert [cls.__qualname__ for cls in ours if not issubclass(cls, PipelineError)] == []
