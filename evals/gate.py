@@ -26,8 +26,9 @@ from typing import Any
 
 from evals.drift import DriftRule, judge_drift
 from evals.stats import FAIL, INCONCLUSIVE, PASS, GateThresholds, compare_suite, resolution, verdict
-from pipeline.cache import load_record, write_record
+from pipeline.cache import compute_lock, load_record, write_record
 from pipeline.errors import PipelineError
+from pipeline.staging import key_lock
 
 log = logging.getLogger(__name__)
 
@@ -132,18 +133,31 @@ def cached_scores(
         return score_fn(engine, suite)
     settings = suite_settings(settings, suite)
     key = json.dumps({"engine": digest, "suite": suite, "settings": settings}, sort_keys=True, default=str)
-    path = cache_dir / "eval" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+    name = hashlib.sha256(key.encode()).hexdigest()
+    path = cache_dir / "eval" / f"{name}.json"
+    scores = _recorded_scores(path, suite, digest)
+    if scores is not None:
+        return scores
+    # Jobs sharing the cache (a sweep) score an engine once: the others wait, then read it.
+    with key_lock(compute_lock(cache_dir, f"eval-{name}"), f"the {suite} scores of {digest[:12]}"):
+        scores = _recorded_scores(path, suite, digest)
+        if scores is None:
+            scores = score_fn(engine, suite)
+            write_record(cache_dir, path, {"key": json.loads(key), "items": [asdict(s) for s in scores]})
+    return scores
+
+
+def _recorded_scores(path: Path, suite: str, digest: str) -> list[ItemScore] | None:
+    """The scores a record holds, or None (absent, or not fitting: scored again)."""
     record = load_record(path)  # None when absent; a broken record is removed and rescored
-    if record is not None and isinstance(record.get("items"), list):
-        try:
-            scores = [ItemScore(**entry) for entry in record["items"]]
-        except TypeError as exc:
-            log.warning("eval: cached scores %s do not fit (%s); scoring again", path.name, exc)
-        else:
-            log.info("eval: %s scores of %s from the cache", suite, digest[:12])
-            return scores
-    scores = score_fn(engine, suite)
-    write_record(cache_dir, path, {"key": json.loads(key), "items": [asdict(s) for s in scores]})
+    if record is None or not isinstance(record.get("items"), list):
+        return None
+    try:
+        scores = [ItemScore(**entry) for entry in record["items"]]
+    except TypeError as exc:
+        log.warning("eval: cached scores %s do not fit (%s); scoring again", path.name, exc)
+        return None
+    log.info("eval: %s scores of %s from the cache", suite, digest[:12])
     return scores
 
 

@@ -30,7 +30,9 @@ from typing import Any
 from pipeline.artifacts import Artifact, Kind, folder_digest, write_json
 from pipeline.errors import StorageError
 from pipeline.staging import (
+    LOCK_SUFFIX,
     is_owned,
+    key_lock,
     owned_folder,
     remove_abandoned,
     storage_error,
@@ -46,6 +48,15 @@ ENTRY_FILE = "entry.json"
 OUTPUT_DIR = "output"
 STAGING_DIR = ".staging"
 CHECKPOINTS_DIR = ".checkpoints"
+
+
+def compute_lock(root: Path, name: str) -> Path:
+    """The lock one job holds while it computes ``name`` (a cache key) under the cache ``root``;
+    the other jobs of a sweep wait on it. In the staging folder, whose cleanup removes a lock
+    file nobody holds."""
+    return Path(root) / STAGING_DIR / f"{name}.compute{LOCK_SUFFIX}"
+
+
 RECORD_DIRS = ("quality", "bench", "eval")  # JSON records kept beside the entries
 
 
@@ -193,6 +204,24 @@ class Cache:
                         os.rename(trash / key, target)
         except OSError as exc:  # a read-only cache: the entry stays, it is recomputed each run
             log.warning("cannot evict cache entry %s (%s); recomputing it without caching", key[:12], exc)
+
+    @contextlib.contextmanager
+    def computing(self, key: str, what: str) -> Iterator[float]:
+        """Hold ``key``'s compute lock for the block (yields the seconds waited for it): jobs that
+        share this cache (a sweep, on one host or many) compute one key once; the others wait,
+        then look it up. A disabled cache computes without it."""
+        if not self.enabled:
+            yield 0.0
+            return
+        with contextlib.ExitStack() as stack:
+            try:
+                waited = stack.enter_context(key_lock(compute_lock(self.root, key), what))
+            except OSError as exc:  # an unwritable cache: one line naming it
+                error = self.storage_error(exc, f"cannot lock {what}")
+                if error is None:
+                    raise
+                raise error from None
+            yield waited
 
     @contextlib.contextmanager
     def stage(self, key: str, label: str = "a cache entry") -> Iterator[Path]:

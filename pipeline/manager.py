@@ -115,10 +115,25 @@ class PassManager:
         placement = placement_of(step)
         key = _key(step, source.digest, config)
         entry = self.cache.lookup(key, step.produces)
-        if entry is not None:
-            log.info("pass %d/%d %s: cache hit (%s)", index, len(self.passes), step.name, key[:12])
-            return entry.artifact, _record(step, entry, cache_hit=True)
+        if entry is None:
+            # Jobs sharing the cache (a sweep) compute a key once: the others wait, then reuse it.
+            with self.cache.computing(key, f"pass '{step.name}' ({key[:12]})"):
+                entry = self.cache.lookup(key, step.produces)  # committed while we took the lock?
+                if entry is None:
+                    return self._compute(index, step, source, key, config, placement)
+        log.info("pass %d/%d %s: cache hit (%s)", index, len(self.passes), step.name, key[:12])
+        return entry.artifact, _record(step, entry, cache_hit=True)
 
+    def _compute(
+        self,
+        index: int,
+        step: Pass,
+        source: Artifact,
+        key: str,
+        config: dict[str, Any],
+        placement: dict[str, str],
+    ) -> tuple[Artifact, PassRecord]:
+        """Run ``step`` on ``source`` in a staging folder and commit its output under ``key``."""
         log.info("pass %d/%d %s: running", index, len(self.passes), step.name)
         step.requires(source)
         step.checkpoint_dir = self.cache.checkpoint_dir(key)

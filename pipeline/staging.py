@@ -24,8 +24,10 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,8 @@ _RETRIES = 50  # taking a fresh lock: a remover may hold it for a moment while i
 # conflict within one process, so a removal must not rely on the lock to spare our own folders.
 # (A set's add and discard are atomic: no lock, which a finalizer could deadlock on.)
 _held: set[str] = set()
+_key_holders: dict[str, int] = {}  # key_lock files this process holds -> the holding thread
+_key_guard = threading.Lock()
 
 
 def unique_name(prefix: str) -> str:
@@ -84,6 +88,46 @@ def _unlock(fd: int, path: Path, unlink: bool) -> None:
                 os.unlink(path)
     finally:
         os.close(fd)  # closing the last descriptor releases the flock
+
+
+@contextlib.contextmanager
+def key_lock(path: Path, what: str, poll_s: float = 0.5, report_every_s: float = 60.0) -> Iterator[float]:
+    """Hold the exclusive lock of ``path`` for the block, waiting while another job (on any host
+    that shares the storage) holds it: one job computes a shared output while the others of a
+    sweep wait, then find it cached. Yields the seconds spent waiting. A holder that crashes
+    releases the lock with its process, so a waiter never waits on a dead job; Ctrl-C while
+    waiting stops the wait. The lock file is removed by its holder on release."""
+    if _key_holders.get(str(path)) == threading.get_ident():
+        raise RuntimeError(f"{path} is already held by this thread: a nested key_lock would wait forever")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    reported = 0.0
+    fd = _take_key_lock(path)
+    while fd is None:
+        waited = time.monotonic() - started
+        if waited >= reported:
+            log.info("waiting for another job computing %s (lock %s, %.0f s so far)", what, path.name, waited)
+            reported = waited + report_every_s
+        time.sleep(poll_s)
+        fd = _take_key_lock(path)
+    try:
+        yield time.monotonic() - started
+    finally:
+        with _key_guard:
+            _key_holders.pop(str(path), None)
+            _held.discard(str(path))
+            _unlock(fd, path, unlink=True)
+
+
+def _take_key_lock(path: Path) -> int | None:
+    """:func:`_try_lock` for :func:`key_lock`, registered as this thread's; another thread of
+    this process is then refused too (on NFS, flock does not conflict within one process)."""
+    with _key_guard:
+        fd = _try_lock(path)
+        if fd is not None:
+            _held.add(str(path))
+            _key_holders[str(path)] = threading.get_ident()
+        return fd
 
 
 def owned_folder(folder: Path) -> OwnedFolder:

@@ -154,3 +154,35 @@ def test_a_changed_suite_file_rescores_that_suite_only(tmp_path: Path) -> None:
     assert sorted(calls[:4]) == ["a", "a", "b", "b"] and calls[4:] == ["a", "a"]
     gate({"a.jsonl": "2", "b.jsonl": "1", "b.tokens.json": "2"})  # b's token counts remeasured
     assert calls[6:] == ["b", "b"]
+
+
+def test_concurrent_jobs_score_an_engine_once(tmp_path: Path) -> None:
+    """Jobs of a sweep that need the same scores (the baseline's) compute them once: the others
+    wait on the compute lock, then read the record (here two threads of one process, which the
+    lock keeps apart as it keeps processes apart)."""
+    import threading
+    import time
+
+    from evals.gate import cached_scores
+
+    calls: list[str] = []
+
+    def slow_score(engine: Path, suite: str) -> list[ItemScore]:
+        calls.append(suite)
+        time.sleep(0.5)
+        return [ItemScore("a", "h", 1.0), ItemScore("b", "h", 0.0)]
+
+    results: list[list[ItemScore]] = []
+
+    def job() -> None:
+        settings = {"size": "quick"}
+        results.append(cached_scores(slow_score, tmp_path, "d" * 64, "reasoning", settings, tmp_path))
+
+    threads = [threading.Thread(target=job) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert calls == ["reasoning"]
+    assert len(results) == 3 and all(r == results[0] for r in results)
+    assert not list((tmp_path / ".staging").glob("*.lock"))  # released and removed

@@ -181,7 +181,8 @@ def test_two_pipelines_at_once_on_one_artifacts_folder(tiny_llama: Path, tmp_pat
     runs from another PID namespace (another container: A's PID means nothing there), and B
     opens the cache; a foreign job's staging (a PID of no local process, its lock held) is
     there throughout. A's and the foreign staging survive, both jobs succeed with intact entries,
-    and what a SIGKILLed owner left (a cache staging folder, an engine copy) is removed."""
+    each pass output is computed once (one job waits on the other's compute lock and reuses
+    it), and what a SIGKILLed owner left (a cache staging folder, an engine copy) is removed."""
     cache_dir = tmp_path / "artifacts" / "cache"
     staging_root = cache_dir / ".staging"
     runs = tmp_path / "artifacts" / "runs"
@@ -220,6 +221,9 @@ def test_two_pipelines_at_once_on_one_artifacts_folder(tiny_llama: Path, tmp_pat
         manifests = [json.loads((runs / run / "manifest.json").read_text()) for run in ("a", "b")]
         assert manifests[0]["engine"]["digest"] == manifests[1]["engine"]["digest"]
         keys = {p["cache_key"] for m in manifests for p in m["passes"]}
+        # Each pass output computed once, by one job; the other waited for it and reused it.
+        computed = [p["cache_key"] for m in manifests for p in m["passes"] if not p["cache_hit"]]
+        assert sorted(computed) == sorted(keys)
         for key in keys:  # every entry whole: its files match the digest it recorded
             record = json.loads((cache_dir / key / "entry.json").read_text())
             assert folder_digest(cache_dir / key / "output") == record["output_digest"]

@@ -11,13 +11,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from pipeline.staging import is_owned, lock_path, owned_folder, remove_abandoned, unique_name
+from pipeline.staging import is_owned, key_lock, lock_path, owned_folder, remove_abandoned, unique_name
 
 REPO = Path(__file__).resolve().parents[2]
 FOREIGN_PID = 4_194_305  # above Linux's largest pid_max: never a process of this host
@@ -246,3 +247,40 @@ def test_ctrl_c_at_any_moment_leaves_no_folder_or_lock(tmp_path: Path) -> None:
             out, err = process.communicate(timeout=30)
         assert process.returncode == 130 and out == "interrupted\n", err
         assert list(root.iterdir()) == [], f"left by interrupted process #{attempt}"
+
+
+KEY_HOLDER = """
+import sys, time
+from pathlib import Path
+from pipeline.staging import key_lock
+with key_lock(Path(sys.argv[1]), "a test key"):
+    print("holding", flush=True)
+    sys.stdin.read()  # until the test closes stdin or kills us
+"""
+
+
+def test_key_lock_waits_for_its_holder_and_not_for_a_dead_one(tmp_path: Path) -> None:
+    """One job computes a key while the others wait: the lock is exclusive across processes, a
+    waiter gets it once the holder is done, and a holder killed by SIGKILL frees it at once (no
+    PID is trusted: the kernel releases the lock with the process). The holder removes its file."""
+    lock = tmp_path / "cache" / ".staging" / "k.compute.lock"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for ending in ("done", "killed"):
+        holder = subprocess.Popen(
+            [sys.executable, "-c", KEY_HOLDER, str(lock)],
+            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().startswith("holding")
+        releaser = threading.Timer(1.0, holder.stdin.close if ending == "done" else holder.kill)
+        releaser.start()
+        with key_lock(lock, "a test key", poll_s=0.05) as waited:
+            assert waited >= 0.9, f"{ending}: got the lock after {waited:.2f} s while it was held"
+            assert lock.exists()
+        holder.wait(timeout=30)
+        releaser.join()
+        assert not lock.exists()  # removed by its holder on release
+    with key_lock(lock, "a test key") as waited, pytest.raises(RuntimeError, match="nested key_lock"):
+        assert waited < 0.5
+        with key_lock(lock, "a test key"):
+            pass
