@@ -142,6 +142,7 @@ def cached_scores(
     with key_lock(compute_lock(cache_dir, f"eval-{name}"), f"the {suite} scores of {digest[:12]}"):
         scores = _recorded_scores(path, suite, digest)
         if scores is None:
+            log.info("eval: scoring %s of %s", suite, digest[:12])
             scores = score_fn(engine, suite)
             write_record(cache_dir, path, {"key": json.loads(key), "items": [asdict(s) for s in scores]})
     return scores

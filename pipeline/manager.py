@@ -134,7 +134,7 @@ class PassManager:
         placement: dict[str, str],
     ) -> tuple[Artifact, PassRecord]:
         """Run ``step`` on ``source`` in a staging folder and commit its output under ``key``."""
-        log.info("pass %d/%d %s: running", index, len(self.passes), step.name)
+        log.info("pass %d/%d %s: running (%s)", index, len(self.passes), step.name, key[:12])
         step.requires(source)
         step.checkpoint_dir = self.cache.checkpoint_dir(key)
         start = time.perf_counter()

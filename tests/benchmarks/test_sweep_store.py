@@ -1,0 +1,49 @@
+"""``benchmarks/sweep_store.py`` counts what it claims: its patterns read the log lines the pass
+manager and the gate's score cache really write (a run that computes, then one that reuses)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from evals.gate import ItemScore, cached_scores
+from pipeline.artifacts import Artifact
+from pipeline.cache import Cache
+from pipeline.manager import PassManager
+from tests.pipeline.passes_for_tests import make_source, recipe
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def sweep_store() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("sweep_store_bench", REPO / "benchmarks" / "sweep_store.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_counts_of_computed_and_reused_outputs(
+    sweep_store: ModuleType, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    source: Artifact = make_source(tmp_path)
+
+    def score(engine: Path, suite: str) -> list[ItemScore]:
+        return [ItemScore("i", "h", 1.0)]
+
+    logs = []
+    for _ in range(2):  # two jobs in turn: the first computes, the second reuses
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            PassManager(recipe("a"), Cache(tmp_path / "cache")).run(source)
+            cached_scores(score, tmp_path, "e" * 64, "reasoning", {}, tmp_path)
+        logs.append(caplog.text)
+    found = sweep_store.count(logs)
+    assert len(found["passes"]) == len(recipe("a"))
+    assert all(counts == {"computed": 1, "reused": 1} for counts in found["passes"].values())
+    assert found["scores"] == {("reasoning", "e" * 12): {"computed": 1, "reused": 1}}
