@@ -47,6 +47,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pipeline.cluster import anchor_paths
 from pipeline.config import (
     SCHEMA_SUFFIX,
     QualityConfig,
@@ -119,6 +120,7 @@ def run(cfg: DictConfig, run_dir: Path) -> tuple[int, str]:
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
     try:
+        anchor_paths(cfg, Path(hydra_cfg.runtime.cwd))
         if cfg.get("nightly"):
             apply_nightly(cfg, overrides)
         validate_config(cfg)  # ranges, undeclared keys, folders: before anything is downloaded

@@ -449,9 +449,17 @@ def run_suffix() -> str:
     return _RUN_SUFFIX
 
 
+def launch_dir() -> str:
+    """The folder the command was launched from (``hydra.sweep.dir:
+    ${launch_dir:}/artifacts/multirun/...``): cached like :func:`run_suffix`, so a job that runs
+    in another folder (a Ray worker) writes under the same sweep folder as the others."""
+    return str(Path.cwd())
+
+
 def register_resolvers() -> None:
     """OmegaConf resolvers the configs use; called on import and before Hydra composes."""
     OmegaConf.register_new_resolver("run_suffix", run_suffix, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("launch_dir", launch_dir, use_cache=True, replace=True)
 
 
 register_resolvers()
