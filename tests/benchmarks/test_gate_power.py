@@ -4,22 +4,17 @@ column reads the three outcomes."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def gate_power() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gate_power_bench", REPO / "benchmarks" / "gate_power.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gate_power")
 
 
 def edited(gate_power: ModuleType, tiny_llama: Path, tmp_path: Path, name: str) -> tuple[object, object]:

@@ -14,20 +14,13 @@ from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def scaling() -> Iterator[ModuleType]:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("scaling_bench", REPO / "benchmarks" / "scaling.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield load_benchmark("scaling")
+    sys.modules.pop("scaling_bench", None)
 
 
 def _tiny(scaling: ModuleType, tied: bool) -> object:

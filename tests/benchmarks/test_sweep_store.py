@@ -3,7 +3,6 @@ manager and the gate's score cache really write (a run that computes, then one t
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -14,18 +13,13 @@ from evals.gate import ItemScore, cached_scores
 from pipeline.artifacts import Artifact
 from pipeline.cache import Cache
 from pipeline.manager import PassManager
+from tests.benchmarks import load_benchmark
 from tests.pipeline.passes_for_tests import make_source, recipe
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def sweep_store() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sweep_store_bench", REPO / "benchmarks" / "sweep_store.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("sweep_store")
 
 
 def test_counts_of_computed_and_reused_outputs(

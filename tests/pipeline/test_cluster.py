@@ -21,7 +21,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.pipeline.test_main import REPO
-from tests.pipeline.test_nightly import GATE, INT8, hydra
+from tests.pipeline.test_nightly import GATE, INT8, hydra, tiny_sweep
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
@@ -57,11 +57,7 @@ def test_a_submitit_local_sweep_runs_every_job_and_publishes_them(tiny_llama: Pa
     sweep = tmp_path / "sweep"
     result = hydra(
         tmp_path,
-        "-m",
-        f"model.path={tiny_llama}",
-        f"pipeline.cache_dir={tmp_path / 'cache'}",
-        f"pipeline.models_dir={tmp_path / 'models'}",
-        f"hydra.sweep.dir={sweep}",
+        *tiny_sweep(tiny_llama, tmp_path, sweep),
         "hydra/launcher=submitit_local",
         "hydra.launcher.timeout_min=20",
         "hydra.launcher.cpus_per_task=1",

@@ -26,6 +26,17 @@ INT8 = [
 ]
 
 
+def tiny_sweep(tiny_llama: Path, tmp_path: Path, sweep: Path) -> list[str]:
+    """The arguments of a multirun of the tiny Llama on a store under ``tmp_path``."""
+    return [
+        "-m",
+        f"model.path={tiny_llama}",
+        f"pipeline.cache_dir={tmp_path / 'cache'}",
+        f"pipeline.models_dir={tmp_path / 'models'}",
+        f"hydra.sweep.dir={sweep}",
+    ]
+
+
 def hydra(workdir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "pipeline", *args]
@@ -41,11 +52,7 @@ def test_a_joblib_multirun_runs_the_matrix_and_publishes_only_passing_jobs(
     sweep = tmp_path / "sweep"
     result = hydra(
         tmp_path,
-        "-m",
-        f"model.path={tiny_llama}",
-        f"pipeline.cache_dir={tmp_path / 'cache'}",
-        f"pipeline.models_dir={tmp_path / 'models'}",
-        f"hydra.sweep.dir={sweep}",
+        *tiny_sweep(tiny_llama, tmp_path, sweep),
         "hydra/launcher=joblib",
         "hydra.launcher.n_jobs=2",
         "+nightly=true",
