@@ -24,10 +24,7 @@ GPU_INSTALL = (
 # TensorRT's libraries are wheels on NVIDIA's index; the PyPI packages of the same name are sdists
 # that fetch them from there at install time (wheel-stub), which fails on a machine that cannot
 # reach it, leaving the bindings without their libraries.
-LIBS_INSTALL = (
-    "pip install --extra-index-url https://pypi.nvidia.com tensorrt-cu13-libs=={version} "
-    "(tensorrt-cu12-libs for a driver older than R580)"
-)
+LIBS_INSTALL = "pip install --extra-index-url https://pypi.nvidia.com {libs}"
 ORT_GPU_INSTALL = "pip uninstall -y onnxruntime && pip install onnxruntime-gpu==1.31.1"
 
 
@@ -77,12 +74,12 @@ def tensorrt_module() -> Any:
             ) from None
         raise ConfigError(
             f"TensorRT's Python bindings are installed but its libraries are not ({library} is "
-            f"missing): {LIBS_INSTALL.format(version=_bindings_version())}"
+            f"missing): {LIBS_INSTALL.format(libs=_matching_libs())}"
         ) from None
     except OSError as exc:  # ctypes could not load a library the bindings' __init__ opens
         raise ConfigError(
             f"TensorRT's Python bindings are installed but its libraries do not load ({exc}): "
-            f"{LIBS_INSTALL.format(version=_bindings_version())}"
+            f"{LIBS_INSTALL.format(libs=_matching_libs())}"
         ) from None
     major = int(str(getattr(trt, "__version__", "0")).split(".")[0] or 0)
     if major < 11:
@@ -102,14 +99,14 @@ def _missing_library(exc: ImportError) -> str | None:
     return message.split(":", 1)[0].strip()
 
 
-def _bindings_version() -> str:
-    """The installed bindings' version, for the matching libraries wheel."""
-    for distribution in ("tensorrt-cu13-bindings", "tensorrt-cu12-bindings"):
+def _matching_libs() -> str:
+    """The libraries wheel that matches the installed bindings (CUDA flavour and version)."""
+    for cuda in ("cu13", "cu12"):
         try:
-            return importlib.metadata.version(distribution)
+            return f"tensorrt-{cuda}-libs=={importlib.metadata.version(f'tensorrt-{cuda}-bindings')}"
         except importlib.metadata.PackageNotFoundError:
             continue
-    return "<the bindings' version>"
+    return "tensorrt-cu13-libs (tensorrt-cu12-libs for a driver older than R580), at the bindings' version"
 
 
 @functools.cache
