@@ -26,9 +26,8 @@ from typing import Any
 
 from evals.drift import DriftRule, judge_drift
 from evals.stats import FAIL, INCONCLUSIVE, PASS, GateThresholds, compare_suite, resolution, verdict
-from pipeline.cache import compute_lock, load_record, write_record
+from pipeline.cache import computing_once, load_record, write_record
 from pipeline.errors import PipelineError
-from pipeline.staging import key_lock
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +138,7 @@ def cached_scores(
     if scores is not None:
         return scores
     # Jobs sharing the cache (a sweep) score an engine once: the others wait, then read it.
-    with key_lock(compute_lock(cache_dir, f"eval-{name}"), f"the {suite} scores of {digest[:12]}"):
+    with computing_once(cache_dir, f"eval-{name}", f"the {suite} scores of {digest[:12]}"):
         scores = _recorded_scores(path, suite, digest)
         if scores is None:
             log.info("eval: scoring %s of %s", suite, digest[:12])

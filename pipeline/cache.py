@@ -50,11 +50,11 @@ STAGING_DIR = ".staging"
 CHECKPOINTS_DIR = ".checkpoints"
 
 
-def compute_lock(root: Path, name: str) -> Path:
-    """The lock one job holds while it computes ``name`` (a cache key) under the cache ``root``;
-    the other jobs of a sweep wait on it. In the staging folder, whose cleanup removes a lock
-    file nobody holds."""
-    return Path(root) / STAGING_DIR / f"{name}.compute{LOCK_SUFFIX}"
+def computing_once(root: Path, name: str, what: str) -> contextlib.AbstractContextManager[float]:
+    """Hold the lock of ``name`` (a cache key, or a record's name) under the cache ``root`` while
+    computing it (yields the seconds waited): the other jobs of a sweep wait on it, then reuse
+    what it wrote. The lock lies in the staging folder, whose cleanup removes one nobody holds."""
+    return key_lock(Path(root) / STAGING_DIR / f"{name}.compute{LOCK_SUFFIX}", what)
 
 
 RECORD_DIRS = ("quality", "bench", "eval")  # JSON records kept beside the entries
@@ -215,7 +215,7 @@ class Cache:
             return
         with contextlib.ExitStack() as stack:
             try:
-                waited = stack.enter_context(key_lock(compute_lock(self.root, key), what))
+                waited = stack.enter_context(computing_once(self.root, key, what))
             except OSError as exc:  # an unwritable cache: one line naming it
                 error = self.storage_error(exc, f"cannot lock {what}")
                 if error is None:

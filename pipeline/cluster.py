@@ -26,6 +26,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.config import nearest_existing
 from pipeline.errors import ConfigError, one_line
 
 CONNECT_TIMEOUT_S = 5.0
@@ -70,8 +71,7 @@ def check_ray_address(address: str | None, timeout_s: float = CONNECT_TIMEOUT_S)
 def check_writable(knob: str, folder: str) -> None:
     """A :class:`ConfigError` unless ``folder`` (or the nearest existing folder above it, where it
     will be made) can be written by this user."""
-    path = Path(folder).expanduser().absolute()
-    existing = next((p for p in [path, *path.parents] if p.exists()), None)
+    existing = nearest_existing(Path(folder).expanduser().absolute())
     if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(
             f"{knob}={folder}: {existing} is not a writable folder, and every job of the sweep writes "

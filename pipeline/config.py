@@ -540,17 +540,20 @@ def _unknown_keys(node: Any, where: str) -> None:
             _unknown_keys(child, f"{where}.{key}" if where else key)
 
 
+def nearest_existing(path: Path) -> Path | None:
+    """``path`` itself or the nearest folder above it that exists (where ``path`` would be made)."""
+    return next((candidate for candidate in [path, *path.parents] if candidate.exists()), None)
+
+
 def check_folder(name: str, value: Any) -> None:
     """A folder setting must not name a file, nor lie under one (it could never be made)."""
     if value is None:
         return
     path = Path(str(value)).expanduser()
-    for candidate in [path, *path.parents]:
-        if candidate.exists():
-            if not candidate.is_dir():
-                where = "is a file, not a folder" if candidate == path else f"{candidate} is a file"
-                raise ConfigError(f"{name}={value}: {where}; choose another {name}")
-            return
+    existing = nearest_existing(path)
+    if existing is not None and not existing.is_dir():
+        where = "is a file, not a folder" if existing == path else f"{existing} is a file"
+        raise ConfigError(f"{name}={value}: {where}; choose another {name}")
 
 
 STRUCTURED_SECTIONS = ("model", "pipeline", "bench", "quality", "eval", "speculative", "registry")
