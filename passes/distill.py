@@ -38,6 +38,17 @@ owned by a lock and renamed into place when complete; the last ``KEEP_CHECKPOINT
 checkpoint that cannot be read back (truncated, bad JSON, other tensor names or shapes) is
 discarded with a warning and the run resumes from the one before (or from the start).
 Defaults fit the 2-core CPU: see ``configs/distill/kd.yaml`` for the measured budget.
+
+Data parallelism (``launcher="accelerate"``, ``num_processes=N``; ``pipeline/distributed.py``):
+the same pass in N ranks started by ``accelerate launch`` (gloo on the CPU, NCCL on CUDA, a
+timeout on every collective), as PyTorch's DDP (Li et al. 2020, "PyTorch Distributed: Experiences
+on Accelerating Data Parallel Training") or FSDP (Zhao et al. 2023, "PyTorch FSDP: Experiences on
+Scaling Fully Sharded Data Parallel"; ``fully_shard`` per decoder block). Every rank walks the same
+data order and takes its contiguous ``batch_size / N`` sequences of each step; the gradients are
+averaged across ranks, so a step is the single-process step up to the order of float sums. The
+frozen teacher is replicated in every rank. Rank 0 writes the checkpoints, whole and in the
+single-process layout, so a run resumes under either launcher; the launcher, process count,
+strategy and timeout are execution knobs, outside the cache key and the checkpoint's config match.
 """
 
 from __future__ import annotations
@@ -51,7 +62,7 @@ import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -60,8 +71,25 @@ from passes.prune import holdout_quality
 from pipeline.artifacts import Artifact, Kind, folder_digest, sha256_file, write_metadata
 from pipeline.base import Pass
 from pipeline.config import register_pass
+from pipeline.distributed import (
+    LAUNCHERS,
+    STRATEGIES,
+    Group,
+    check_processes,
+    data_parallel,
+    full_state,
+    launch,
+    load_optimizer_state,
+    load_weights,
+    sharded,
+    sync_gradients,
+    unwrapped,
+)
 from pipeline.errors import PassError
 from pipeline.staging import owned_folder, remove_abandoned, unique_name
+
+if TYPE_CHECKING:
+    from pipeline.memory import ModelShapes
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +131,15 @@ class DistillConfig:
     # Micikevicius et al. 2018). Measured on this CPU (AMX-BF16): 6.4-7.7 s a step vs 12.8-15.4 s
     # in fp32. "fp32" trains in full precision (for CPUs without native bfloat16).
     precision: str = "bf16"
+    # Execution knobs (outside the cache key; a checkpoint resumes under any of them): "inline" runs
+    # the steps in this process; "accelerate" in num_processes ranks under `accelerate launch`, each
+    # taking batch_size / num_processes sequences of every step, as "ddp" (replicated weights) or
+    # "fsdp" (weights, gradients and AdamW state sharded, one decoder block gathered at a time). A
+    # collective that waits longer than collective_timeout_s for another rank fails the pass.
+    launcher: str = "inline"
+    num_processes: int = 1
+    strategy: str = "ddp"
+    collective_timeout_s: float = 300.0
 
 
 register_pass("distill", "distill", DistillConfig)
@@ -121,6 +158,12 @@ def validate(config: DistillConfig) -> None:
         "hidden_weight": config.hidden_weight >= 0,
         "checkpoint_every": config.checkpoint_every >= 1,
         "precision": config.precision in PRECISIONS,
+        "launcher": config.launcher in LAUNCHERS,
+        "strategy": config.strategy in STRATEGIES,
+        "collective_timeout_s": config.collective_timeout_s > 0,
+        "num_processes": config.num_processes >= 1
+        and (config.num_processes == 1 or config.launcher == "accelerate")
+        and config.batch_size % (config.num_processes * config.micro_batch_size) == 0,
     }
     checks["dataset"] = config.dataset in DATASETS
     for knob, ok in checks.items():
@@ -129,6 +172,15 @@ def validate(config: DistillConfig) -> None:
                 "batch_size": f" (a multiple of distill.micro_batch_size={config.micro_batch_size})",
                 "dataset": f" (choose one of {', '.join(sorted(DATASETS))})",
                 "precision": f" (choose one of {', '.join(PRECISIONS)})",
+                "launcher": f" (choose one of {', '.join(LAUNCHERS)})",
+                "strategy": f" (choose one of {', '.join(STRATEGIES)})",
+                "num_processes": (
+                    " (more than one process needs distill.launcher=accelerate)"
+                    if config.num_processes > 1 and config.launcher != "accelerate"
+                    else f" (each of the processes takes distill.batch_size / num_processes = "
+                    f"{config.batch_size}/{config.num_processes} sequences a step, a multiple of "
+                    f"distill.micro_batch_size={config.micro_batch_size})"
+                ),
             }.get(knob, "")
             raise PassError(f"distill.{knob}={getattr(config, knob)!r} is out of range{hint}")
 
@@ -177,11 +229,47 @@ class DistillPass(Pass):
     consumes = Kind.TORCH
     produces = Kind.TORCH
     placement_knobs = ("device", "torch_dtype")
+    execution_knobs = ("launcher", "num_processes", "strategy", "collective_timeout_s")
     loads_module_by_module = True  # StreamedCheckpoint.load_model (teacher and student)
+
+    def preflight(self) -> None:
+        validate(self.config)
+        if self.config.launcher == "accelerate":
+            check_processes("distill.num_processes", self.config.num_processes, self.placement.device_type)
+
+    def estimate_memory(self, shapes: ModelShapes) -> int | None:
+        """On the CPU every rank of an accelerate launch shares this host: DDP holds one replica of
+        everything per rank; FSDP one teacher per rank but the student's training state (fp32
+        weights, gradients, AdamW's two moments) once, split across the ranks. Inline, or one rank
+        per GPU: the generic estimate (None)."""
+        config = self.config
+        if (
+            config.launcher != "accelerate"
+            or config.num_processes == 1
+            or self.placement.device_type == "cuda"
+        ):
+            return None
+        from pipeline.memory import generic_estimate
+
+        one = generic_estimate(self, shapes).host_bytes
+        if config.strategy == "ddp":
+            return config.num_processes * one
+        training_state = shapes.parameters * 16
+        return config.num_processes * (one - training_state) + training_state
 
     def requires(self, source: Artifact) -> None:
         validate(self.config)
         self._check_bfloat16()
+        config = self.config
+        blocks = json.loads((source.path / "config.json").read_text())["num_hidden_layers"]
+        if config.strategy == "fsdp" and config.num_processes > 1 and blocks < config.num_processes:
+            # Per process FSDP holds its shard (1/N of the model) plus the block it gathers: with
+            # fewer blocks than processes that block outweighs the shard, and sharding saves nothing.
+            raise PassError(
+                f"distill.strategy=fsdp: the student has {blocks} decoder block(s), too few to shard "
+                f"over distill.num_processes={config.num_processes} (FSDP gathers one block at a "
+                "time); use distill.strategy=ddp or fewer processes"
+            )
         teacher = teacher_of(source)
         mine, theirs = source.path / "tokenizer.json", teacher / "tokenizer.json"
         if not mine.is_file() or not theirs.is_file() or sha256_file(mine) != sha256_file(theirs):
@@ -223,6 +311,22 @@ class DistillPass(Pass):
         return every[np.sort(order[HOLDOUT:])], every[np.sort(order[:HOLDOUT])]
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
+        validate(self.config)
+        self._check_bfloat16()
+        if self.config.launcher == "accelerate":
+            return launch(
+                self,
+                source,
+                out_dir,
+                num_processes=self.config.num_processes,
+                timeout_s=self.config.collective_timeout_s,
+                knob="distill",
+            )
+        return self.run_rank(source, out_dir, Group())
+
+    def run_rank(self, source: Artifact, out_dir: Path, group: Group) -> dict[str, Any]:
+        """The pass in one rank of ``group`` (the whole pass for the one-process group): rank 0
+        writes the checkpoints and ``out_dir`` and returns the metrics, the others return {}."""
         import torch
         from tqdm import tqdm
 
@@ -231,14 +335,13 @@ class DistillPass(Pass):
         from pipeline.torch_model import copy_beside_weights, load_tokenizer
 
         config = self.config
-        validate(config)
-        self._check_bfloat16()
         placement = self.placement
         teacher_path = teacher_of(source)
         # Module by module (the checkpoints' pages are not kept mapped beside the weights).
         teacher = StreamedCheckpoint(teacher_path, placement).load_model()
         # Master weights in float32 on the placement's device, whatever its dtype.
-        student = StreamedCheckpoint(source.path, ResolvedPlacement(placement.device, "float32")).load_model()
+        master = ResolvedPlacement(placement.device, "float32")
+        student = StreamedCheckpoint(source.path, master).load_model()
         for parameter in teacher.parameters():
             parameter.requires_grad_(False)
         train, holdout = self._data(load_tokenizer(source.path))
@@ -247,13 +350,15 @@ class DistillPass(Pass):
             range(len(student.model.layers))
         )
 
+        model = data_parallel(student, group, config.strategy)
         torch.manual_seed(config.seed)
-        optimizer = torch.optim.AdamW(student.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: learning_rate(s, config) / config.lr
         )
         state = {"step": 0, "curve": [], "epoch_orders": []}
-        resumed_from = self._resume(student, optimizer, schedule, state, len(train))
+        resumed_from = self._resume(model, optimizer, schedule, state, len(train), group)
+        group.agree(resumed_from, "the step to resume from")
         rng = np.random.default_rng(config.seed)
         for _ in range(len(state["epoch_orders"])):
             rng.permutation(len(train))  # the same data order as the uninterrupted run
@@ -265,9 +370,12 @@ class DistillPass(Pass):
         # loaded in a half dtype (pipeline.torch_dtype) does both.
         half = config.precision == "bf16" and teacher.dtype == torch.float32
         trainer = copy.deepcopy(teacher).to(torch.bfloat16) if half else teacher
-        student.train()
-        accumulate = config.batch_size // config.micro_batch_size
-        bar = tqdm(total=config.steps, initial=state["step"], desc="distill", unit="step")
+        model.train()
+        share = config.batch_size // group.world  # this rank's sequences of every step
+        accumulate = share // config.micro_batch_size
+        bar = tqdm(
+            total=config.steps, initial=state["step"], desc="distill", unit="step", disable=not group.main
+        )
         try:
             while state["step"] < config.steps:
                 while len(queue) < config.batch_size:
@@ -275,16 +383,20 @@ class DistillPass(Pass):
                     state["epoch_orders"].append(order)
                     queue.extend(order)
                 batch, queue = queue[: config.batch_size], queue[config.batch_size :]
+                mine = batch[group.rank * share : (group.rank + 1) * share]
                 optimizer.zero_grad(set_to_none=True)
                 total = 0.0
-                for start in range(0, config.batch_size, config.micro_batch_size):
+                for start in range(0, share, config.micro_batch_size):
                     ids = torch.from_numpy(
-                        np.ascontiguousarray(train[batch[start : start + config.micro_batch_size]])
+                        np.ascontiguousarray(train[mine[start : start + config.micro_batch_size]])
                     ).to(placement.torch_device)
-                    loss = self._loss(trainer, student, ids, layer_map) / accumulate
-                    loss.backward()
+                    # Gradients are averaged across ranks once a step, at its last micro-batch.
+                    with sync_gradients(model, sync=start + config.micro_batch_size >= share):
+                        loss = self._loss(trainer, model, ids, layer_map) / accumulate
+                        loss.backward()
                     total += float(loss.detach())
-                torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+                total = group.mean(total)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 schedule.step()
                 state["step"] += 1
@@ -293,10 +405,19 @@ class DistillPass(Pass):
                 bar.set_postfix(loss=f"{total:.4f}", lr=f"{schedule.get_last_lr()[0]:.2e}")
                 bar.update()
                 if state["step"] % config.checkpoint_every == 0 and state["step"] < config.steps:
-                    self._save(student, optimizer, schedule, state)
+                    weights, optimizer_state = full_state(model, group, optimizer)
+                    if group.main:
+                        self._save(weights, optimizer_state, schedule, state)
         finally:
             bar.close()
         del trainer
+        weights, _ = full_state(model, group)
+        if not group.main:
+            return {}
+        if sharded(model):  # fully_shard turned the student's weights into shards: rebuild it whole
+            student = StreamedCheckpoint(source.path, master).load_model()
+            student.load_state_dict(weights, strict=True)
+        student = unwrapped(student)
         student.eval()
         after = holdout_quality(teacher, student, holdout)
 
@@ -321,6 +442,9 @@ class DistillPass(Pass):
                 "teacher_dtype": str(teacher.dtype).removeprefix("torch."),
                 "student_dtype": str(student.dtype).removeprefix("torch."),
                 "autocast": "bfloat16" if config.precision == "bf16" else None,
+                "launcher": config.launcher,
+                "processes": group.world,
+                "strategy": config.strategy if group.world > 1 else None,
             },
         }
 
@@ -343,15 +467,18 @@ class DistillPass(Pass):
             loss = loss + self.config.hidden_weight * mse
         return loss
 
-    def _save(self, student: Any, optimizer: Any, schedule: Any, state: dict[str, Any]) -> None:
-        """Write the checkpoint of ``state["step"]`` (staged, then renamed) and drop older ones."""
+    def _save(
+        self, weights: dict[str, Any], optimizer_state: dict[str, Any], schedule: Any, state: dict[str, Any]
+    ) -> None:
+        """Write the checkpoint of ``state["step"]`` (staged, then renamed) and drop older ones:
+        the student's whole ``weights`` and ``optimizer_state`` in the single-process layout."""
         if self.checkpoint_dir is None:
             return
         import torch
         from safetensors.torch import save_file
 
-        tensors, aliases = _unique_tensors(student.state_dict())
-        optimizer_tensors, optimizer_meta = _split_optimizer(optimizer.state_dict())
+        tensors, aliases = _unique_tensors(weights)
+        optimizer_tensors, optimizer_meta = _split_optimizer(optimizer_state)
         optimizer_tensors[RNG_TENSOR] = torch.get_rng_state()
         meta = {
             "format": CHECKPOINT_FORMAT,
@@ -384,23 +511,32 @@ class DistillPass(Pass):
         log.info("distill: checkpoint at step %d", state["step"])
 
     def _resume(
-        self, student: Any, optimizer: Any, schedule: Any, state: dict[str, Any], train_size: int
+        self,
+        model: Any,
+        optimizer: Any,
+        schedule: Any,
+        state: dict[str, Any],
+        train_size: int,
+        group: Group,
     ) -> int:
-        """Load the newest readable checkpoint of this pass (same input and config), if any; its
-        step. Unreadable ones are discarded with a warning. ``train_size``: training windows."""
+        """Load the newest readable checkpoint of this pass (same input and trained config), if
+        any, into ``model`` (possibly wrapped for data parallelism; every rank reads the same
+        checkpoint); its step. Unreadable ones are discarded with a warning. ``train_size``:
+        training windows."""
         import torch
 
         root = self.checkpoint_dir
         if root is None or not root.is_dir():
             return 0
-        remove_abandoned(root, "." + CHECKPOINT_PREFIX)  # staging a killed run left behind
+        if group.main:
+            remove_abandoned(root, "." + CHECKPOINT_PREFIX)  # staging a killed run left behind
         legacy = root / LEGACY_CHECKPOINT
-        if legacy.exists():
+        if group.main and legacy.exists():
             log.warning("distill: removing %s (a pickle of an earlier version; never loaded)", legacy)
             legacy.unlink()
         for path in _checkpoints(root):
             try:
-                loaded = self._read_checkpoint(path, student, optimizer, train_size)
+                loaded = self._read_checkpoint(path, unwrapped(model), optimizer, train_size)
             except Exception as exc:  # a damaged checkpoint raises anything; nothing was applied yet
                 reason = " ".join(str(exc).split())[:300] or type(exc).__name__
                 log.warning(
@@ -410,8 +546,8 @@ class DistillPass(Pass):
                 continue
             weights, optimizer_state, schedule_state, rng, saved = loaded
             try:
-                student.load_state_dict(weights, strict=True)
-                optimizer.load_state_dict(optimizer_state)
+                load_weights(model, weights)
+                load_optimizer_state(model, optimizer, optimizer_state)
                 schedule.load_state_dict(schedule_state)
                 torch.set_rng_state(rng)
             except Exception:
@@ -433,7 +569,7 @@ class DistillPass(Pass):
         meta = json.loads((path / STATE_FILE).read_text())
         if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{STATE_FILE} is not a format-{CHECKPOINT_FORMAT} checkpoint record")
-        if meta["config"] != json.loads(json.dumps(asdict(self.config))):
+        if _trained(meta["config"]) != _trained(json.loads(json.dumps(asdict(self.config)))):
             raise ValueError("it was written with another distill config")
         saved = meta["state"]
         step = saved["step"]
@@ -472,6 +608,13 @@ class DistillPass(Pass):
         if not isinstance(schedule_state, dict) or schedule_state.get("last_epoch") != step:
             raise ValueError("the schedule state does not match the step")
         return weights, optimizer_state, schedule_state, rng, saved
+
+
+def _trained(config: Any) -> Any:
+    """A recorded distill config without its execution knobs (a checkpoint resumes under any)."""
+    if not isinstance(config, dict):
+        return config
+    return {key: value for key, value in config.items() if key not in DistillPass.execution_knobs}
 
 
 def _checkpoints(root: Path) -> list[Path]:

@@ -44,6 +44,10 @@ class Pass(ABC):
     # they enter its cache key and its record. Every torch pass declares both; a pass that
     # declares a knob must compute where and in what dtype ``placement`` says.
     placement_knobs: ClassVar[tuple[str, ...]] = ()
+    # Config fields that choose how the pass computes, not what it computes (how many processes,
+    # which launcher): left out of its cache key, so a rerun with other values reuses the output
+    # and resumes the checkpoints of an interrupted run. They stay in the recorded config.
+    execution_knobs: ClassVar[tuple[str, ...]] = ()
     # How the pass holds the model while it runs (pipeline/memory.py estimates its peak from it):
     # "whole" (every weight in memory at the placement's dtype), "block" (one decoder block at a
     # time, streamed from the safetensors), "graph" (an ONNX graph with external data memory-mapped),

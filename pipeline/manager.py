@@ -71,8 +71,11 @@ def validate(passes: list[Pass], source_kind: Kind, final_kind: Kind | None = Ki
 
 def _key(step: Pass, input_digest: str, config: dict[str, Any] | None = None) -> str:
     """The cache key of ``step`` (its ``config_dict()``, when the caller has it) on an input of
-    ``input_digest``: the placement enters it only for a pass whose output depends on it."""
+    ``input_digest``: the placement enters it only for a pass whose output depends on it, its
+    execution knobs (processes, launcher) never."""
     keyed = dict(step.config_dict() if config is None else config)
+    for knob in step.execution_knobs:
+        keyed.pop(knob, None)
     if step.placement_knobs:
         keyed["_placement"] = step.placement.key(step.placement_knobs)
     return cache_key(input_digest, step.name, step.version, keyed)

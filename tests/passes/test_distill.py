@@ -45,13 +45,15 @@ def distill(
 
 def distill_killed_in_step(step: int, source: Artifact, out: Path, ckpt: Path, **config: object) -> None:
     """Run the pass and interrupt it (KeyboardInterrupt, as Ctrl-C) in the first of step ``step``'s
-    two micro-batches, after the checkpoints it wrote before."""
+    micro-batches, after the checkpoints it wrote before."""
     calls = {"n": 0}
     original = DistillPass._loss
+    settings = {**SMALL, **config}
+    per_step = int(settings["batch_size"]) // int(settings["micro_batch_size"])
 
     def dies(self: DistillPass, *args: object) -> object:
         calls["n"] += 1
-        if calls["n"] == 2 * (step - 1) + 1:
+        if calls["n"] == per_step * (step - 1) + 1:
             raise KeyboardInterrupt
         return original(self, *args)
 
@@ -122,6 +124,9 @@ def test_a_bfloat16_placement_teaches_with_a_bfloat16_teacher_and_float32_master
         "teacher_dtype": "bfloat16",
         "student_dtype": "float32",
         "autocast": "bfloat16",
+        "launcher": "inline",
+        "processes": 1,
+        "strategy": None,
     }
     teacher = fp32["holdout_before"]["teacher_perplexity"], bf16["holdout_before"]["teacher_perplexity"]
     assert teacher[0] != teacher[1] and teacher[1] == pytest.approx(teacher[0], rel=0.05)
