@@ -9,7 +9,7 @@ distinct text reach the observers. Defaults are sized for a 2-core CPU: 64 windo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -24,12 +24,53 @@ DATASETS = {"python_reference": "python_reference.txt"}
 
 @dataclass
 class CalibrationConfig:
-    """Which text, how many windows of how many tokens."""
+    """Which text, how many windows of how many tokens; and in how many processes."""
 
     dataset: str = "python_reference"
     num_samples: int = 64
     seq_len: int = 256
     seed: int = 0
+    # Execution knobs (outside the cache key and the recorded output): the windows split over
+    # num_processes ranks under `accelerate launch` (pipeline/distributed.py), their statistics
+    # summed or max-reduced across ranks, for the passes that can (GPTQ, AWQ, SmoothQuant); a collective
+    # waiting longer than collective_timeout_s on another rank fails the pass.
+    num_processes: int = 1
+    collective_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.num_processes, int) and self.num_processes >= 1):
+            raise CalibrationError(f"calibration.num_processes={self.num_processes!r} must be 1 or more")
+        if not self.collective_timeout_s > 0:
+            raise CalibrationError(
+                f"calibration.collective_timeout_s={self.collective_timeout_s!r} must be above 0"
+            )
+
+
+EXECUTION_FIELDS = ("num_processes", "collective_timeout_s")
+
+
+def recorded(config: CalibrationConfig) -> dict[str, Any]:
+    """The calibration settings an output depends on (without the execution knobs), as recorded."""
+    return {key: value for key, value in asdict(config).items() if key not in EXECUTION_FIELDS}
+
+
+def shard(
+    windows: np.ndarray, rank: int, world: int, batch_size: int, knob: str = "quant.calibration"
+) -> np.ndarray:
+    """Rank ``rank``'s contiguous share of the calibration windows in whole batches of
+    ``batch_size`` windows: the ranks' batches are one process's batches, split in order (so
+    statistics that depend on batch boundaries reduce to one process's)."""
+    if world == 1:
+        return windows
+    batches = -(-len(windows) // batch_size)
+    if batches < world:
+        raise CalibrationError(
+            f"{knob}.num_processes={world}: {len(windows)} windows make {batches} batch(es) of "
+            f"{batch_size}, fewer than the processes; raise {knob}.num_samples to "
+            f"{world * batch_size} or more"
+        )
+    bounds = [part[0] * batch_size for part in np.array_split(np.arange(batches), world)] + [len(windows)]
+    return windows[bounds[rank] : bounds[rank + 1]]
 
 
 def as_calibration(value: Any) -> CalibrationConfig:

@@ -51,6 +51,29 @@ SHARD_METADATA = {"format": "pt"}  # what transformers' save_pretrained writes
 
 
 @dataclass
+class ForwardTime:
+    """Time spent pushing calibration windows through blocks (what data parallelism divides):
+    wall seconds and this process's CPU seconds (all its threads)."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+
+    @contextlib.contextmanager
+    def measure(self) -> Any:
+        import time
+
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.wall += time.perf_counter() - wall
+            self.cpu += time.process_time() - cpu
+
+    def to_dict(self) -> dict[str, float]:
+        return {"forward_seconds": round(self.wall, 2), "forward_cpu_seconds": round(self.cpu, 2)}
+
+
+@dataclass
 class LayerInputs:
     """The inputs of one decoder layer for each calibration batch (hidden states + the layer kwargs
     transformers passes: mask, rotary position embeddings, positions)."""

@@ -32,6 +32,12 @@ LLM Compression and Acceleration" (MLSys 2024, arXiv:2306.00978), as in the auth
 
 The next layer is calibrated on the fp32 layer's outputs (``llm-awq``'s ``run_awq``). ``lm_head``
 (untied from the embedding) gets the same treatment with the final RMSNorm as its producer.
+
+Data parallel (``quant.calibration.num_processes``, linear objective): every statistic above is a
+sum over tokens (activation means, the Gram matrix or its sketch, the clip blocks), so each rank
+sums its run of the batches and the ranks add them up; a rank draws the sketch's buckets where one
+process would draw them for those tokens. The block objective scores candidates by forwards over
+the first windows, which one rank holds: it runs in one process.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from passes.int4 import (
     run_layer,
 )
 from pipeline.config import register_pass
+from pipeline.distributed import Group
 from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -207,15 +214,27 @@ def error_form(width: int, tokens: int, sketch_rows: int) -> ErrorForm:
 
 
 def input_stats(
-    inputs: list[Any], sketch_rows: int | None, group_size: int | None, seed: int = SKETCH_SEED
+    inputs: list[Any],
+    sketch_rows: int | None,
+    group_size: int | None,
+    seed: int = SKETCH_SEED,
+    ranks: Group | None = None,
 ) -> InputStats:
     """One pass over the input batches: the error estimate (``sketch_rows`` None: none) and the
     clip search's diagonal Gram blocks (``group_size`` None: none). The sketch's buckets and signs
-    come from a CPU generator seeded with ``seed``, so a run is repeatable on any device."""
+    come from a CPU generator seeded with ``seed``, so a run is repeatable on any device.
+
+    Split over ``ranks`` (each holding a contiguous run of one process's batches), every rank
+    adds its batches into the statistics of all tokens (its rows of ``tokens``, its buckets of the
+    sketch after replaying the draws of the batches before its own) and the ranks sum them: the
+    result is one process's, up to the order of float sums."""
     import torch
 
+    ranks = ranks or Group()
     width, device = inputs[0].shape[-1], inputs[0].device
-    tokens = sum(x.numel() // width for x in inputs)
+    every = ranks.gather([x.numel() // width for x in inputs])  # token counts of each rank's batches
+    before = [count for rank in range(ranks.rank) for count in every[rank]]
+    tokens = sum(sum(counts) for counts in every)
     form = None if sketch_rows is None else error_form(width, tokens, sketch_rows)
     gram = torch.zeros(width, width, device=device) if form == ErrorForm.gram else None
     rows = None
@@ -225,7 +244,11 @@ def input_stats(
     if group_size:
         blocks = torch.zeros(width // group_size, group_size, group_size, device=device)
     generator = torch.Generator().manual_seed(seed)
-    filled = 0
+    if form == ErrorForm.sketch:
+        for count in before:  # the draws of the batches other ranks hold, in one process's order
+            torch.randint(rows.shape[0], (count,), generator=generator)
+            torch.randint(2, (count,), generator=generator)
+    filled = sum(before)
     for x in inputs:
         flat = x.reshape(-1, width).float()
         count = flat.shape[0]
@@ -241,6 +264,9 @@ def input_stats(
             grouped = flat.reshape(count, -1, group_size).transpose(0, 1)  # [G, count, gs]
             blocks.baddbmm_(grouped.transpose(1, 2), grouped)
         filled += count
+    for total in (gram, rows, blocks):
+        if total is not None:
+            ranks.sum(total)
     return InputStats(
         form,
         None if gram is None else gram / tokens,
@@ -249,17 +275,19 @@ def input_stats(
     )
 
 
-def activation_scale(inputs: list[Any]) -> Any:
-    """Mean |x| per input channel over every calibration token."""
+def activation_scale(inputs: list[Any], ranks: Group | None = None) -> Any:
+    """Mean |x| per input channel over every calibration token (of every rank)."""
     import torch
 
+    ranks = ranks or Group()
     total = torch.zeros(inputs[0].shape[-1], device=inputs[0].device)  # float32 whatever x's dtype
     count = 0
     for x in inputs:
         rows = x.reshape(-1, x.shape[-1]).float()
         total += rows.abs().sum(0)
         count += rows.shape[0]
-    return total / count
+    tokens = ranks.sum(torch.tensor([count], dtype=torch.float64))
+    return ranks.sum(total) / float(tokens[0])
 
 
 def candidate_scales(x_mean: Any, ratio: float) -> Any:
@@ -268,17 +296,24 @@ def candidate_scales(x_mean: Any, ratio: float) -> Any:
 
 
 def search_scale(
-    group: ScaleGroup, grid: int, group_size: int, symmetric: bool, batches: int, objective: str = "block"
+    group: ScaleGroup,
+    grid: int,
+    group_size: int,
+    symmetric: bool,
+    batches: int,
+    objective: str = "block",
+    ranks: Group | None = None,
 ) -> tuple[Any, float]:
-    """The best ``s`` of the grid and its exponent (weights are left as they were)."""
-    x_mean = activation_scale(group.inputs)
+    """The best ``s`` of the grid and its exponent (weights are left as they were). Over several
+    ``ranks`` only the linear objective runs (its statistics are reduced across them)."""
+    x_mean = activation_scale(group.inputs, ranks)
     originals = {name: group.linears[name].weight.data.clone() for name in group.quantized}
     losses = []
     if group.block is None or objective == Objective.linear:
         stats = (
             group.stats
             if group.stats is not None and group.stats.form
-            else input_stats(group.inputs, 0, None)
+            else input_stats(group.inputs, 0, None, ranks=ranks)
         )
         for step in range(grid):
             scales = candidate_scales(x_mean, step / grid)
@@ -388,6 +423,13 @@ class AwqPass(TorchInt4Pass):
     version = 3
     algorithm = "awq"
 
+    @property
+    def calibrates_in_ranks(self) -> bool:  # type: ignore[override]
+        """The linear objective's statistics (activation means, Gram, sketch, clip blocks) are
+        sums over tokens, reduced across ranks; the block objective scores candidates on the first
+        ``search_samples`` windows by forwards, which one process holds."""
+        return self.config.objective == Objective.linear
+
     def _search_batches(self, total: int) -> int:
         samples = self.config.search_samples
         return total if samples == 0 else -(-samples // CALIBRATION_BATCH)
@@ -422,7 +464,10 @@ class AwqPass(TorchInt4Pass):
             clips = bool(clipped & set(group.quantized))
             if scored or clips:
                 group.stats = input_stats(
-                    group.inputs, cfg.sketch_rows if scored else None, cfg.group_size if clips else None
+                    group.inputs,
+                    cfg.sketch_rows if scored else None,
+                    cfg.group_size if clips else None,
+                    ranks=self.group,
                 )
                 for tensor in group.stats.tensors():
                     check_finite(tensor, "input statistics", prefix + next(iter(group.linears)), dataset)
@@ -430,7 +475,7 @@ class AwqPass(TorchInt4Pass):
         for group in groups:  # all searches on the unscaled layer, then all folds (llm-awq)
             if group.quantized and group.prev is not None:
                 chosen[group.name] = search_scale(
-                    group, cfg.grid, cfg.group_size, cfg.symmetric, batches, cfg.objective
+                    group, cfg.grid, cfg.group_size, cfg.symmetric, batches, cfg.objective, self.group
                 )
         for group in groups:
             if group.name in chosen:

@@ -69,7 +69,7 @@ import numpy as np
 from calibration.datasets import DATASETS, calibration_text
 from passes.prune import holdout_quality
 from pipeline.artifacts import Artifact, Kind, folder_digest, sha256_file, write_metadata
-from pipeline.base import Pass
+from pipeline.base import Pass, without_knobs
 from pipeline.config import register_pass
 from pipeline.distributed import (
     LAUNCHERS,
@@ -423,7 +423,8 @@ class DistillPass(Pass):
 
         copy_beside_weights(source.path, out_dir)
         student.save_pretrained(out_dir, safe_serialization=True)
-        info = {"algorithm": "logit-kd", **asdict(config), "teacher": str(teacher_path)}
+        # What the student depends on: the execution knobs (launcher, processes) are left out.
+        info = {"algorithm": "logit-kd", **_trained(asdict(config)), "teacher": str(teacher_path)}
         info.pop("_target_")
         write_metadata(out_dir, Kind.TORCH, {**source.metadata, "distill": info})
         log.info(
@@ -612,9 +613,7 @@ class DistillPass(Pass):
 
 def _trained(config: Any) -> Any:
     """A recorded distill config without its execution knobs (a checkpoint resumes under any)."""
-    if not isinstance(config, dict):
-        return config
-    return {key: value for key, value in config.items() if key not in DistillPass.execution_knobs}
+    return without_knobs(config, DistillPass.execution_knobs) if isinstance(config, dict) else config
 
 
 def _checkpoints(root: Path) -> list[Path]:

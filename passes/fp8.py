@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, as_calibration, token_windows
+from calibration.datasets import CalibrationConfig, as_calibration, recorded, token_windows
 from calibration.observers import DEFAULT_BINS, FP8_E4M3, Observer, TensorStats, channel_amax, compute_amax
 from passes.selection import check_patterns, select_modules
 from passes.sensitivity import FallbackSettings, WeightFormat, sensitivity_pass
@@ -216,7 +216,7 @@ class CalibratePass(Pass):
         (out_dir / STATS_FILE).unlink(missing_ok=True)  # a linked older file: replaced, not written through
         (out_dir / STATS_FILE).parent.mkdir(parents=True, exist_ok=True)
         calibration = {
-            **vars(self.config.calibration),
+            **recorded(self.config.calibration),
             "num_bins": self.config.num_bins,
             "tokens": int(windows.size),
             "tensors": len(stats),

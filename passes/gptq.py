@@ -11,6 +11,11 @@ unchanged weights first, so groups stay contiguous along the input dim, as MatMu
 Layers are processed sequentially (the paper; AutoGPTQ, gpt-fast's ``quantize.py``): decoder layer
 ``i`` is calibrated on the outputs of the already-quantized layers ``< i``. ``lm_head`` (untied
 from the embedding) is quantized last, on the final RMSNorm's outputs.
+
+Data parallel (``quant.calibration.num_processes``): each rank pushes its run of the calibration
+batches through the layers and the ``X^T X`` sums and token counts are summed across ranks before
+each solve, so every rank solves the same matrix and quantizes alike; the solve itself is
+repeated in every rank.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from passes.int4 import (
     run_layer,
 )
 from pipeline.config import register_pass
+from pipeline.distributed import Group
 from pipeline.errors import CalibrationError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -200,11 +206,13 @@ def _quantize_columns(
 
 
 class Hessians:
-    """Running ``2 X^T X / n`` of each named layer's inputs."""
+    """Running ``2 X^T X / n`` of each named layer's inputs; in a group of ranks, the sums and
+    token counts are summed across them when a layer's Hessian is taken (every rank the same)."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Group | None = None) -> None:
         self.sums: dict[str, Any] = {}
         self.counts: dict[str, int] = {}
+        self.group = group or Group()
 
     def add(self, name: str, x: Any) -> None:
         import torch
@@ -218,7 +226,11 @@ class Hessians:
         self.counts[name] += rows.shape[0]
 
     def pop(self, name: str) -> Any:
-        return 2.0 * self.sums.pop(name) / self.counts.pop(name)
+        import torch
+
+        total = self.group.sum(self.sums.pop(name))
+        count = self.group.sum(torch.tensor([self.counts.pop(name)], dtype=torch.float64))
+        return 2.0 * total / float(count[0])
 
 
 class GptqPass(TorchInt4Pass):
@@ -226,6 +238,7 @@ class GptqPass(TorchInt4Pass):
     name = "gptq"
     version = 2  # 2: streamed, the output written in shards (same tensors)
     algorithm = "gptq"
+    calibrates_in_ranks = True  # X^T X sums over the windows: summed across ranks
 
     def quantize_block(
         self, prefix: str, layer: Any, inputs: LayerInputs, wanted: set[str]
@@ -237,16 +250,17 @@ class GptqPass(TorchInt4Pass):
             if prefix + name in wanted and hasattr(module, "in_features")
         }
         if linears:
-            hessians = Hessians()
-            with input_hooks(linears, hessians.add):
+            hessians = Hessians(self.group)
+            with input_hooks(linears, hessians.add), self.forward_time.measure():
                 run_layer(layer, inputs)
             for name, module in linears.items():
                 results[name] = self._quantize(name, module, hessians.pop(name))
-        inputs.hidden = run_layer(layer, inputs)  # the quantized layer feeds the next one
+        with self.forward_time.measure():
+            inputs.hidden = run_layer(layer, inputs)  # the quantized layer feeds the next one
         return results
 
     def quantize_head(self, norm: Any, head: Any, hidden: list[Any]) -> dict[str, QuantizedLinear]:
-        hessians = Hessians()
+        hessians = Hessians(self.group)
         for h in hidden:
             hessians.add(LM_HEAD, norm(h))
         return {LM_HEAD: self._quantize(LM_HEAD, head, hessians.pop(LM_HEAD))}

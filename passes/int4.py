@@ -48,13 +48,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, as_calibration
-from calibration.streaming import LayerInputs, capture_first_block_inputs
+from calibration.datasets import CalibrationConfig, as_calibration, shard
+from calibration.streaming import ForwardTime, LayerInputs, capture_first_block_inputs
 from passes.export import EXTRAS_DIR  # export copies extras/ into the graph artifact
 from passes.selection import select_modules
 from passes.sensitivity import FallbackSettings
 from pipeline.artifacts import Artifact, Kind, write_json, write_metadata
 from pipeline.base import Pass, Recipe
+from pipeline.distributed import Group, launch
 from pipeline.errors import CalibrationError, ConfigError, PassError
 
 log = logging.getLogger(__name__)
@@ -423,6 +424,8 @@ class TorchInt4Pass(Pass):
     memory_profile = "block"
     algorithm: ClassVar[str]
     drift = "bits4"
+    group: Group = Group()  # the ranks sharing the calibration windows (set by run_rank)
+    forward_time: ForwardTime = ForwardTime()  # this rank's calibration forwards (reset by run_rank)
 
     def targets(self, model: Any, folder: Path) -> list[str]:
         """The quantized layers' names, after the exclude (and fallback) and group-size checks."""
@@ -463,6 +466,25 @@ class TorchInt4Pass(Pass):
         return results
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
+        calibration = self.config.calibration
+        if calibration.num_processes > 1:
+            if not self.calibrates_in_ranks:  # the manager refuses it first; a direct call too
+                raise PassError(f"{self.name} calibrates in one process; set calibration.num_processes=1")
+            return launch(
+                self,
+                source,
+                out_dir,
+                num_processes=calibration.num_processes,
+                timeout_s=calibration.collective_timeout_s,
+                knob=f"{self.config_group or 'quant'}.calibration",
+            )
+        return self.run_rank(source, out_dir, Group())
+
+    def run_rank(self, source: Artifact, out_dir: Path, group: Group) -> dict[str, Any]:
+        """The pass in one rank of ``group`` (all of it for one process): each rank pushes its
+        share of the calibration windows through the blocks, :meth:`quantize_block` reduces the
+        statistics across ranks (``self.group``), so every rank quantizes alike; rank 0 writes
+        and returns the metrics, the others return {}."""
         import time
 
         import torch
@@ -472,20 +494,25 @@ class TorchInt4Pass(Pass):
         from calibration.streaming import EMBEDDINGS, FINAL_NORM, CheckpointWriter, StreamedCheckpoint
         from pipeline.torch_model import copy_beside_weights, load_tokenizer
 
+        self.group = group
+        self.forward_time = ForwardTime()
         checkpoint = StreamedCheckpoint(source.path, self.placement)
         windows = token_windows(load_tokenizer(source.path), self.config.calibration)
+        mine = shard(windows, group.rank, group.world, CALIBRATION_BATCH)
         targets = self.targets(checkpoint.model, source.path)
         wanted = set(targets)
         untied = LM_HEAD in wanted and checkpoint.untie_lm_head()
-        writer = CheckpointWriter(out_dir)
-        copy_beside_weights(source.path, out_dir)
+        writer = CheckpointWriter(out_dir) if group.main else None
+        if group.main:
+            copy_beside_weights(source.path, out_dir)
         params: dict[str, Any] = {}
         modules: list[str] = []
 
         def finish(prefix: str, results: dict[str, QuantizedLinear]) -> None:
             """Write module ``prefix`` (quantized weights exact, in float32) and free it."""
-            overrides = {f"{name}.weight": layer.dequantize() for name, layer in results.items()}
-            writer.write(checkpoint.output_tensors(prefix, overrides))
+            if writer:
+                overrides = {f"{name}.weight": layer.dequantize() for name, layer in results.items()}
+                writer.write(checkpoint.output_tensors(prefix, overrides))
             for name, layer in results.items():
                 params.update(packed_params(name, layer))
                 modules.append(name)
@@ -493,9 +520,11 @@ class TorchInt4Pass(Pass):
 
         started = time.perf_counter()
         with torch.no_grad():
-            inputs = checkpoint.first_block_inputs(windows, CALIBRATION_BATCH)
-            writer.write(self._unchanged(checkpoint, EMBEDDINGS))  # no INT4 pass changes it
-            for index in tqdm(range(checkpoint.num_layers), desc=self.name, unit="layer"):
+            inputs = checkpoint.first_block_inputs(mine, CALIBRATION_BATCH)
+            if writer:
+                writer.write(self._unchanged(checkpoint, EMBEDDINGS))  # no INT4 pass changes it
+            layers = range(checkpoint.num_layers)
+            for index in tqdm(layers, desc=self.name, unit="layer", disable=not group.main):
                 prefix = checkpoint.layer_prefix(index)
                 layer = checkpoint.materialize(prefix)
                 finish(prefix, self.quantize_block(prefix + ".", layer, inputs, wanted))
@@ -504,17 +533,19 @@ class TorchInt4Pass(Pass):
                 head = checkpoint.materialize(LM_HEAD)
                 results = self.quantize_head(norm, head, inputs.hidden)
                 finish(LM_HEAD, results)
-            elif not checkpoint.output_tied:
+            elif writer and not checkpoint.output_tied:
                 writer.write(self._unchanged(checkpoint, LM_HEAD))
             finish(FINAL_NORM, {})
         seconds = time.perf_counter() - started
+        if writer is None:
+            return {}
         writer.finish(checkpoint.config, checkpoint.generation_config())
         info = {
             "algorithm": self.algorithm,
             "group_size": self.config.group_size,
             "symmetric": self.config.symmetric,
             "exclude": list(self.config.exclude),
-            "config": self.config_dict(),
+            "config": self.keyed_config(),
         }
         save_packed_params(out_dir / EXTRAS_DIR / INT4_DIR, params, modules, info)
         summary = {k: v for k, v in info.items() if k != "config"} | {"modules": len(modules), "bits": BITS}
@@ -525,6 +556,8 @@ class TorchInt4Pass(Pass):
             "untied_lm_head": bool(untied),
             "calibration_tokens": int(windows.size),
             "seconds_quantize": round(seconds, 1),
+            # This process's share: with N processes, 1/N of the windows (rank 0's time).
+            "calibration": {"processes": group.world, "windows": len(mine), **self.forward_time.to_dict()},
         }
 
     @staticmethod

@@ -35,13 +35,13 @@ copied (``pipeline/graph_io.py``: its loader accepts external data with several 
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, as_calibration, token_windows
+from calibration.datasets import CalibrationConfig, as_calibration, recorded, token_windows
 from passes.fp8 import calibration_feeds
 from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
 from pipeline.base import Pass
@@ -157,7 +157,7 @@ class KvCachePass(Pass):
             layout["amax_file"] = AMAX_FILE
             if self.config.dtype == KvDtype.fp8:
                 layout["fp8_scale"] = Fp8Scale(self.config.fp8_scale).value
-            layout["calibration"] = {**asdict(self.config.calibration), "tokens": tokens}
+            layout["calibration"] = {**recorded(self.config.calibration), "tokens": tokens}
             # The manifest keeps each layer's largest amax per head (the graph keeps every channel).
             result["amax_per_head"] = {
                 kind: np.round(array.max(axis=-1), 4).tolist() for kind, array in amax.items()

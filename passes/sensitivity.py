@@ -171,10 +171,13 @@ def sensitivity_pass(config: Any, **formats: Any) -> SensitivityPass | None:
     validate_fallback(config)
     if not scans(config):
         return None
-    calibration = config.calibration
+    calibration = dict(
+        vars(config.calibration) if not isinstance(config.calibration, dict) else config.calibration
+    )
+    calibration["num_processes"] = 1  # the scan is its own short forward: one process
     return SensitivityPass(
         exclude=list(config.exclude),
-        calibration=vars(calibration) if not isinstance(calibration, dict) else calibration,
+        calibration=calibration,
         sensitivity=vars(as_sensitivity(config.sensitivity)),
         fallback=Fallback(config.fallback),
         kl_budget=config.kl_budget,

@@ -51,16 +51,18 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, as_calibration, token_windows
+from calibration.datasets import CalibrationConfig, as_calibration, recorded, shard, token_windows
+from calibration.streaming import ForwardTime
 from passes.selection import check_patterns, matches
 from pipeline.artifacts import Artifact, Kind, write_json, write_metadata
 from pipeline.base import Pass
+from pipeline.distributed import Group, launch
 from pipeline.errors import CalibrationError, PassError
 from pipeline.placement import CPU_FLOAT32, ResolvedPlacement
 
@@ -388,6 +390,7 @@ class Streamed:
     tied: bool
     reference: Any
     logits: Any
+    forward_time: ForwardTime  # this rank's calibration forwards
 
 
 def smooth_streamed(
@@ -396,6 +399,7 @@ def smooth_streamed(
     windows: np.ndarray,
     config: SmoothQuantConfig,
     placement: ResolvedPlacement = CPU_FLOAT32,
+    group: Group | None = None,
 ) -> Streamed:
     """SmoothQuant one decoder block at a time (the scheme of llm-compressor's sequential pipeline
     and GPTQ's reference code, on ``calibration/streaming.py``): per block, load its weights from
@@ -410,7 +414,12 @@ def smooth_streamed(
     into a float32 copy of the weights, which is what is written (float32 safetensors, as
     ``save_pretrained`` wrote before). The parity probe (one window, <= 64 tokens) runs in float32
     through each block before and after smoothing, so it does not depend on the compute dtype and
-    needs no reload of the written model."""
+    needs no reload of the written model.
+
+    In a group of ranks (``quant.calibration.num_processes``), each pushes its share of ``windows``
+    and the per-channel maxima are max-reduced across ranks after each block, so every rank smooths
+    with the statistics of all windows (max is exact: the scales equal one process's); rank 0
+    alone writes."""
     import torch
     from tqdm.auto import tqdm
 
@@ -420,19 +429,23 @@ def smooth_streamed(
     master = StreamedCheckpoint(source, fp32)  # the weights that are smoothed and written
     lowered = placement.dtype != torch.float32
     compute = StreamedCheckpoint(source, placement) if lowered else master  # calibration forwards
-    writer = CheckpointWriter(out_dir)
+    group = group or Group()
+    writer = CheckpointWriter(out_dir) if group.main else None
+    forward_time = ForwardTime()
 
     # Embeddings, final norm, head: unchanged (SmoothQuant leaves them), written as read.
     rest = [*master.tensor_names(EMBEDDINGS), *master.tensor_names(FINAL_NORM)]
     if not master.output_tied:
         rest += master.tensor_names(LM_HEAD)
-    writer.write({n: t.float().contiguous() for n, t in master.read(rest).items()})
+    if writer:
+        writer.write({n: t.float().contiguous() for n, t in master.read(rest).items()})
 
     probe_windows = windows[:1, : min(PROBE_TOKENS, windows.shape[1])]
     probe = master.first_block_inputs(probe_windows, 1)
     probe_kwargs = probe.kwargs[0]
     reference = smoothed = probe.hidden[0]
-    inputs = compute.first_block_inputs(windows, config.batch_size)
+    mine = shard(windows, group.rank, group.world, config.batch_size)
+    inputs = compute.first_block_inputs(mine, config.batch_size)
     hidden, kwargs, tokens = inputs.hidden, inputs.kwargs, inputs.tokens
     stats: dict[str, Any] = {}
     divided: dict[str, Any] = {}
@@ -442,7 +455,10 @@ def smooth_streamed(
             prefix = master.layer_prefix(index)
             layer = master.materialize(prefix)
             block = compute.materialize(prefix) if lowered else layer
-            block_stats, hidden = calibrate_block(block, prefix, hidden, kwargs)
+            with forward_time.measure():
+                block_stats, hidden = calibrate_block(block, prefix, hidden, kwargs)
+            for name in sorted(block_stats):  # every rank reduces the same tensors in one order
+                group.max(block_stats[name])
             if lowered:
                 compute.release(prefix)
             del block
@@ -459,7 +475,8 @@ def smooth_streamed(
                 divided.update(block_divided)
                 groups.extend(done)
             smoothed = _block_output(layer, smoothed, probe_kwargs)
-            writer.write(master.output_tensors(prefix))
+            if writer:
+                writer.write(master.output_tensors(prefix))
             master.release(prefix)  # hands the freed memory back to the OS (pipeline/allocator.py)
 
         # lm_head reads the final norm of the last hidden state: no [batch, seq, vocab] logits.
@@ -470,7 +487,7 @@ def smooth_streamed(
             current = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
             head_stats = current if head_stats is None else torch.maximum(head_stats, current)
         del hidden
-        stats[LM_HEAD] = head_stats
+        stats[LM_HEAD] = group.max(head_stats)
         check_finite_stats({LM_HEAD: head_stats})
         if lowered:
             compute.release(FINAL_NORM)
@@ -478,8 +495,10 @@ def smooth_streamed(
         reference, logits = (head(norm(h)).float() for h in (reference, smoothed))
         master.release(FINAL_NORM)
         master.release(LM_HEAD)
-    writer.finish(master.config, master.generation_config())
-    return Streamed(stats, divided, groups, tokens, master.tied, reference, logits)
+    if writer:
+        writer.finish(master.config, master.generation_config())
+    tokens = int(group.sum(torch.tensor([tokens], dtype=torch.float64))[0])
+    return Streamed(stats, divided, groups, tokens, master.tied, reference, logits, forward_time)
 
 
 def _block_output(layer: Any, hidden: Any, kwargs: dict[str, Any]) -> Any:
@@ -501,6 +520,7 @@ class SmoothQuantPass(Pass):
     produces = Kind.TORCH
     placement_knobs = ("device", "torch_dtype")
     memory_profile = "block"
+    calibrates_in_ranks = True
 
     def requires(self, source: Artifact) -> None:
         validate(self.config)
@@ -511,6 +531,22 @@ class SmoothQuantPass(Pass):
             )
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
+        calibration = self.config.calibration
+        if calibration.num_processes > 1:
+            knob = f"{self.config_group or 'quant'}.calibration"
+            return launch(
+                self,
+                source,
+                out_dir,
+                num_processes=calibration.num_processes,
+                timeout_s=calibration.collective_timeout_s,
+                knob=knob,
+            )
+        return self.run_rank(source, out_dir, Group())
+
+    def run_rank(self, source: Artifact, out_dir: Path, group: Group) -> dict[str, Any]:
+        """The pass in one rank of ``group`` (all of it for one process): rank 0 writes and
+        returns the metrics, the others return {}."""
         from calibration.streaming import StreamedCheckpoint
         from pipeline.torch_model import copy_beside_weights, load_tokenizer
 
@@ -527,9 +563,12 @@ class SmoothQuantPass(Pass):
             self.placement.device,
             self.placement.torch_dtype,
         )
-        out_dir.mkdir(parents=True, exist_ok=True)
-        copy_beside_weights(source.path, out_dir)  # before the weights: their config.json wins
-        streamed = smooth_streamed(source.path, out_dir, windows, config, self.placement)
+        if group.main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            copy_beside_weights(source.path, out_dir)  # before the weights: their config.json wins
+        streamed = smooth_streamed(source.path, out_dir, windows, config, self.placement, group)
+        if not group.main:
+            return {}
         stats, divided, groups, tokens = streamed.stats, streamed.divided, streamed.groups, streamed.tokens
         tied = streamed.tied
         ranges = activation_ranges(stats, divided)
@@ -539,7 +578,7 @@ class SmoothQuantPass(Pass):
             "alpha": config.alpha,
             "smooth": config.smooth,
             "groups": groups,
-            "calibration": {**asdict(config.calibration), "tokens": tokens},
+            "calibration": {**recorded(config.calibration), "tokens": tokens},
             "tied_lm_head": tied,
         }
         extras = out_dir / EXTRAS_DIR / INT8_DIR
@@ -574,6 +613,12 @@ class SmoothQuantPass(Pass):
             # Smoothed vs input checkpoint in torch (not "parity", which the summary reads as ORT vs torch).
             "fp32_parity": {"max_abs_diff": diff, "relative": relative, "top1_agreement": agree},
             "median_range_reduction": float(np.median(shrink)) if shrink else 1.0,
+            # This process's share: with N processes, 1/N of the windows (rank 0's time).
+            "calibration": {
+                "processes": group.world,
+                "windows": len(shard(windows, group.rank, group.world, config.batch_size)),
+                **streamed.forward_time.to_dict(),
+            },
         }
 
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:

@@ -45,9 +45,17 @@ class Pass(ABC):
     # declares a knob must compute where and in what dtype ``placement`` says.
     placement_knobs: ClassVar[tuple[str, ...]] = ()
     # Config fields that choose how the pass computes, not what it computes (how many processes,
-    # which launcher): left out of its cache key, so a rerun with other values reuses the output
-    # and resumes the checkpoints of an interrupted run. They stay in the recorded config.
-    execution_knobs: ClassVar[tuple[str, ...]] = ()
+    # which launcher; "a.b" names field b of the nested config a, absent ones are skipped): left out
+    # of its cache key, so a rerun with other values reuses the output and resumes the checkpoints
+    # of an interrupted run. They stay in the recorded config.
+    execution_knobs: ClassVar[tuple[str, ...]] = (
+        "calibration.num_processes",
+        "calibration.collective_timeout_s",
+    )
+    # Whether the pass splits its calibration windows over ``calibration.num_processes`` ranks
+    # (a ``run_rank(source, out_dir, group)`` reducing its statistics across them); the manager
+    # refuses more than one process for any other pass.
+    calibrates_in_ranks: ClassVar[bool] = False
     # How the pass holds the model while it runs (pipeline/memory.py estimates its peak from it):
     # "whole" (every weight in memory at the placement's dtype), "block" (one decoder block at a
     # time, streamed from the safetensors), "graph" (an ONNX graph with external data memory-mapped),
@@ -91,6 +99,10 @@ class Pass(ABC):
         data.pop("_target_", None)
         return data
 
+    def keyed_config(self) -> dict[str, Any]:
+        """:meth:`config_dict` without the :attr:`execution_knobs`: what the output depends on."""
+        return without_knobs(self.config_dict(), self.execution_knobs)
+
     def preflight(self) -> None:  # noqa: B027 - optional hook
         """Raise a :class:`~pipeline.errors.PipelineError` if this machine cannot run the pass
         (no GPU, no TensorRT, ...). The manager asks every pass before the first one runs, so a
@@ -112,6 +124,18 @@ class Pass(ABC):
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
         """Check the output; raise :class:`PassError` on failure; return metrics to record."""
         return {}
+
+
+def without_knobs(config: dict[str, Any], knobs: tuple[str, ...]) -> dict[str, Any]:
+    """A copy of ``config`` without the (possibly dotted, possibly absent) ``knobs``."""
+    data = dict(config)
+    for knob in knobs:
+        head, _, rest = knob.partition(".")
+        if rest and isinstance(data.get(head), dict):
+            data[head] = without_knobs(data[head], (rest,))
+        elif not rest:
+            data.pop(head, None)
+    return data
 
 
 class Recipe(ABC):

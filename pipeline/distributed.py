@@ -46,6 +46,7 @@ STRATEGIES = ("ddp", "fsdp")
 SPEC_FILE = "spec.json"
 RESULT_FILE = "result.json"
 ERROR_PREFIX = "error-rank"
+PEAK_PREFIX = "peak-rank"  # each rank's peak RSS (the pass manager's meter sees its own process only)
 TAIL_CHARS = 64 * 1024  # what is kept of the ranks' output to explain a failure
 STOP_GRACE_S = 30  # after Ctrl-C: how long the agent gets to stop its ranks before it is killed
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -96,6 +97,30 @@ class Group:
             if moved is not tensor:
                 tensor.copy_(moved)
         return tensor
+
+    def max(self, tensor: Any) -> Any:
+        """``tensor`` element-wise maximum over the ranks, in place."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            moved = tensor.to(self.device)
+            dist.all_reduce(moved, op=dist.ReduceOp.MAX)
+            if moved is not tensor:
+                tensor.copy_(moved)
+        return tensor
+
+    def gather(self, values: list[int]) -> list[list[int]]:
+        """Every rank's list of integers, by rank (each rank may hold a different number)."""
+        if self.world == 1:
+            return [list(values)]
+        import torch
+
+        longest = int(self.max(torch.tensor([len(values)], dtype=torch.int64))[0])
+        table = torch.zeros(self.world, longest + 1, dtype=torch.int64)
+        table[self.rank, 0] = len(values)
+        table[self.rank, 1 : 1 + len(values)] = torch.tensor(values, dtype=torch.int64)
+        self.sum(table)
+        return [table[rank, 1 : 1 + int(table[rank, 0])].tolist() for rank in range(self.world)]
 
     def mean(self, value: float) -> float:
         """The mean of a float over the ranks (float64)."""
@@ -298,7 +323,17 @@ def launch(
         result = work / RESULT_FILE
         if not result.is_file():
             raise PassError(f"{knob}: the {num_processes}-process launch ended without rank 0's result")
-        return json.loads(result.read_text())
+        metrics = json.loads(result.read_text())
+        peaks = [_read_int(work / f"{PEAK_PREFIX}{rank}") for rank in range(num_processes)]
+        metrics["ranks"] = {"processes": num_processes, "peak_rss_bytes": peaks}
+        return metrics
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _run(command: list[str], env: dict[str, str]) -> tuple[int, str]:
@@ -405,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
             staged = work / f".{RESULT_FILE}"
             staged.write_text(json.dumps(metrics))
             os.replace(staged, work / RESULT_FILE)
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        (work / f"{PEAK_PREFIX}{rank}").write_text(str(peak))
         return 0
     except BaseException as exc:
         error = {"message": first_line(exc), "user": isinstance(exc, PipelineError)}

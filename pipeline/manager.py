@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeline.artifacts import Artifact, Kind
-from pipeline.base import Pass
+from pipeline.base import Pass, without_knobs
 from pipeline.cache import Cache, CacheEntry, cache_key
+from pipeline.distributed import check_processes
 from pipeline.errors import ConfigError
 from pipeline.memory import ResourceMeter, empty_resources
 
@@ -66,16 +67,36 @@ def validate(passes: list[Pass], source_kind: Kind, final_kind: Kind | None = Ki
     for step in passes:
         if step.placement_knobs and step.placement_request is not None:
             step.placement = step.placement_request.resolve()  # a CUDA request without CUDA fails here
+        _check_calibration_processes(step)
         step.preflight()
+
+
+def _check_calibration_processes(step: Pass) -> None:
+    """One line unless ``calibration.num_processes`` suits the pass and the machine."""
+    calibration = getattr(step.config, "calibration", None)
+    processes = getattr(calibration, "num_processes", 1)
+    if processes == 1:
+        return
+    knob = f"{step.config_group or step.name}.calibration.num_processes"
+    if not step.calibrates_in_ranks:
+        raise ConfigError(
+            f"{knob}={processes}: pass '{step.name}' calibrates in one process with this config "
+            f"(several processes: quant=int8's smoothquant, quant=int4_gptq, quant=int4_awq with "
+            f"objective=linear); set {knob}=1"
+        )
+    if calibration.num_samples < processes:
+        raise ConfigError(
+            f"{knob}={processes} exceeds calibration.num_samples={calibration.num_samples}: every "
+            "process needs a window; lower the processes or raise the samples"
+        )
+    check_processes(knob, processes, step.placement.device_type)
 
 
 def _key(step: Pass, input_digest: str, config: dict[str, Any] | None = None) -> str:
     """The cache key of ``step`` (its ``config_dict()``, when the caller has it) on an input of
     ``input_digest``: the placement enters it only for a pass whose output depends on it, its
     execution knobs (processes, launcher) never."""
-    keyed = dict(step.config_dict() if config is None else config)
-    for knob in step.execution_knobs:
-        keyed.pop(knob, None)
+    keyed = without_knobs(step.config_dict() if config is None else config, step.execution_knobs)
     if step.placement_knobs:
         keyed["_placement"] = step.placement.key(step.placement_knobs)
     return cache_key(input_digest, step.name, step.version, keyed)
