@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,6 +50,10 @@ ERROR_PREFIX = "error-rank"
 PEAK_PREFIX = "peak-rank"  # each rank's peak RSS (the pass manager's meter sees its own process only)
 TAIL_CHARS = 64 * 1024  # what is kept of the ranks' output to explain a failure
 STOP_GRACE_S = 30  # after Ctrl-C: how long the agent gets to stop its ranks before it is killed
+# After a rank reported an error: how long the others get to end before the launch is killed (a
+# rank stuck in a collective or stopped outright would hold torchrun's agent for 30 s more).
+FAILED_GRACE_S = 5
+POLL_S = 0.5
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -317,7 +322,7 @@ def launch(
         command += ["-m", "pipeline.distributed", str(work / SPEC_FILE)]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
-        code, tail = _run(command, env)
+        code, tail = _run(command, env, work)
         if code != 0:
             raise _failure(work, tail, num_processes, code, knob)
         result = work / RESULT_FILE
@@ -336,10 +341,14 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
-def _run(command: list[str], env: dict[str, str]) -> tuple[int, str]:
-    """Run the launch, copying its stderr through (progress bars included); (exit code, the last
-    ``TAIL_CHARS`` of stderr). Interrupted (Ctrl-C, any exception): the agent is stopped."""
-    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+def _run(command: list[str], env: dict[str, str], work: Path) -> tuple[int, str]:
+    """Run the launch in its own session, copying its stderr through (progress bars
+    included); (exit code, the last ``TAIL_CHARS`` of stderr). Once a rank has written its error,
+    the rest get ``FAILED_GRACE_S`` to end before the agent and its ranks are killed. Interrupted
+    (Ctrl-C, any exception): the agent is stopped, and killed with its ranks if it lingers."""
+    process = subprocess.Popen(
+        command, env=env, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True
+    )
     tail: deque[str] = deque()
     size = [0]
 
@@ -355,14 +364,38 @@ def _run(command: list[str], env: dict[str, str]) -> tuple[int, str]:
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
+    failed_at: float | None = None
     try:
-        code = process.wait()
+        while True:
+            try:
+                code = process.wait(POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                if failed_at is None and any(work.glob(f"{ERROR_PREFIX}*")):
+                    failed_at = time.monotonic()
+                if failed_at is not None and time.monotonic() - failed_at > FAILED_GRACE_S:
+                    _kill_group(process)
     except BaseException:
         _stop(process)
         raise
     finally:
         reader.join(timeout=5)
     return code, "".join(tail)
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the agent and every process under it (torch's agent starts each rank in a session
+    of its own, so a process-group kill would miss them)."""
+    import psutil
+
+    try:
+        agent = psutil.Process(process.pid)
+        family = [*agent.children(recursive=True), agent]  # listed before the agent dies
+    except psutil.NoSuchProcess:
+        return
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            member.kill()
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -373,7 +406,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
     try:
         process.wait(STOP_GRACE_S)
     except subprocess.TimeoutExpired:
-        process.kill()
+        _kill_group(process)
         process.wait()
 
 
@@ -383,6 +416,7 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # gloo's "[.../pair.cc:553] "
 ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n[^\n]*exitcode\s*:\s*(-?\d+)")
 
 
@@ -406,7 +440,10 @@ def _failure(work: Path, tail: str, world: int, code: int, knob: str) -> Pipelin
             return PassError(f"{prefix}: {why}")
     if errors:
         rank = min(errors)
-        return PassError(f"{prefix}: rank {rank}: {errors[rank]['message']}")
+        message = SOURCE_LOCATION.sub("", errors[rank]["message"])
+        if "timed out" in message.lower():
+            message += f" (another rank stopped answering for {knob}.collective_timeout_s)"
+        return PassError(f"{prefix}: rank {rank}: {message}")
     lines = [line.strip() for line in tail.splitlines() if line.strip()]
     return PassError(f"{prefix} with exit code {code}: {lines[-1] if lines else 'no output'}")
 

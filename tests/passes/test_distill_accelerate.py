@@ -130,6 +130,39 @@ def test_a_killed_rank_fails_the_pass_with_one_line_and_the_run_resumes_inline(
     same_weights(resumed, whole)
 
 
+def test_a_stuck_rank_fails_the_pass_after_the_collective_timeout(student: Artifact, tmp_path: Path) -> None:
+    """Rank 1 is stopped (SIGSTOP, as a hung host): rank 0's next collective gives up after
+    distill.collective_timeout_s and writes its error; 5 s later the launch's process group is
+    killed (the stopped rank included), and the pass fails with one line instead of hanging."""
+    settings = {**EXACT, "steps": 2000, "checkpoint_every": 2, "collective_timeout_s": 5}
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            distill(student, tmp_path / "out", tmp_path / "ckpt", **settings, **TWO)
+        except BaseException as exc:  # handed to the test's thread
+            failure.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    deadline, victim = time.monotonic() + 120, None
+    while victim is None and time.monotonic() < deadline and runner.is_alive():
+        if list((tmp_path / "ckpt").glob("step-*")):
+            victim = rank_process(1)
+        time.sleep(0.02)
+    assert victim is not None, "no checkpoint or no rank 1 to stop"
+    stopped_at = time.monotonic()
+    os.kill(victim.pid, signal.SIGSTOP)
+    runner.join(timeout=120)
+    assert not runner.is_alive() and time.monotonic() - stopped_at < 25  # 5 s timeout + 5 s grace
+    assert len(failure) == 1 and isinstance(failure[0], PassError), failure
+    assert str(failure[0]).startswith(
+        "distill: the 2-process launch failed: rank 0: Timed out waiting 5000ms"
+    )
+    assert str(failure[0]).endswith("(another rank stopped answering for distill.collective_timeout_s)")
+    assert rank_process(0) is None and rank_process(1) is None
+
+
 def test_an_inline_checkpoint_resumes_under_fsdp(
     student: Artifact, inline: tuple[Artifact, dict], tmp_path: Path
 ) -> None:
