@@ -55,7 +55,7 @@ from passes.selection import select_modules
 from passes.sensitivity import FallbackSettings
 from pipeline.artifacts import Artifact, Kind, write_json, write_metadata
 from pipeline.base import Pass, Recipe
-from pipeline.distributed import Group, launch
+from pipeline.distributed import Group, launch_calibration
 from pipeline.errors import CalibrationError, ConfigError, PassError
 
 log = logging.getLogger(__name__)
@@ -466,18 +466,9 @@ class TorchInt4Pass(Pass):
         return results
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
-        calibration = self.config.calibration
-        if calibration.num_processes > 1:
-            if not self.calibrates_in_ranks:  # the manager refuses it first; a direct call too
-                raise PassError(f"{self.name} calibrates in one process; set calibration.num_processes=1")
-            return launch(
-                self,
-                source,
-                out_dir,
-                num_processes=calibration.num_processes,
-                timeout_s=calibration.collective_timeout_s,
-                knob=f"{self.config_group or 'quant'}.calibration",
-            )
+        launched = launch_calibration(self, source, out_dir)
+        if launched is not None:
+            return launched
         return self.run_rank(source, out_dir, Group())
 
     def run_rank(self, source: Artifact, out_dir: Path, group: Group) -> dict[str, Any]:

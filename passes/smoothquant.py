@@ -62,7 +62,7 @@ from calibration.streaming import ForwardTime
 from passes.selection import check_patterns, matches
 from pipeline.artifacts import Artifact, Kind, write_json, write_metadata
 from pipeline.base import Pass
-from pipeline.distributed import Group, launch
+from pipeline.distributed import Group, launch_calibration
 from pipeline.errors import CalibrationError, PassError
 from pipeline.placement import CPU_FLOAT32, ResolvedPlacement
 
@@ -531,17 +531,9 @@ class SmoothQuantPass(Pass):
             )
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
-        calibration = self.config.calibration
-        if calibration.num_processes > 1:
-            knob = f"{self.config_group or 'quant'}.calibration"
-            return launch(
-                self,
-                source,
-                out_dir,
-                num_processes=calibration.num_processes,
-                timeout_s=calibration.collective_timeout_s,
-                knob=knob,
-            )
+        launched = launch_calibration(self, source, out_dir)
+        if launched is not None:
+            return launched
         return self.run_rank(source, out_dir, Group())
 
     def run_rank(self, source: Artifact, out_dir: Path, group: Group) -> dict[str, Any]:

@@ -94,22 +94,18 @@ class Group:
 
     def sum(self, tensor: Any) -> Any:
         """``tensor`` summed over the ranks, in place (every rank gets the sum)."""
-        if self.world > 1:
-            import torch.distributed as dist
-
-            moved = tensor.to(self.device)
-            dist.all_reduce(moved, op=dist.ReduceOp.SUM)
-            if moved is not tensor:
-                tensor.copy_(moved)
-        return tensor
+        return self._reduce(tensor, "SUM")
 
     def max(self, tensor: Any) -> Any:
         """``tensor`` element-wise maximum over the ranks, in place."""
+        return self._reduce(tensor, "MAX")
+
+    def _reduce(self, tensor: Any, op: str) -> Any:
         if self.world > 1:
             import torch.distributed as dist
 
-            moved = tensor.to(self.device)
-            dist.all_reduce(moved, op=dist.ReduceOp.MAX)
+            moved = tensor.to(self.device)  # NCCL reduces CUDA tensors only
+            dist.all_reduce(moved, op=getattr(dist.ReduceOp, op))
             if moved is not tensor:
                 tensor.copy_(moved)
         return tensor
@@ -339,6 +335,24 @@ def _read_int(path: Path) -> int | None:
         return int(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def launch_calibration(step: Any, source: Any, out_dir: Path) -> dict[str, Any] | None:
+    """For a pass configured with ``calibration`` (``num_processes``, ``collective_timeout_s``): its
+    :func:`launch` over that many ranks, or None for one process (the caller runs inline)."""
+    calibration = step.config.calibration
+    if calibration.num_processes == 1:
+        return None
+    if not step.calibrates_in_ranks:  # the manager refuses it first; a direct call too
+        raise PassError(f"{step.name} calibrates in one process; set calibration.num_processes=1")
+    return launch(
+        step,
+        source,
+        out_dir,
+        num_processes=calibration.num_processes,
+        timeout_s=calibration.collective_timeout_s,
+        knob=f"{step.config_group or 'quant'}.calibration",
+    )
 
 
 def _run(command: list[str], env: dict[str, str], work: Path) -> tuple[int, str]:

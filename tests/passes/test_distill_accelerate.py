@@ -88,19 +88,16 @@ def rank_process(rank: int) -> psutil.Process | None:
     return None
 
 
-def test_a_killed_rank_fails_the_pass_with_one_line_and_the_run_resumes_inline(
-    student: Artifact, tmp_path: Path
-) -> None:
-    """Rank 1 is SIGKILLed once rank 0 wrote a checkpoint: the pass fails at once (gloo reports the
-    lost peer; the agent stops rank 0), and the same run resumes inline from that checkpoint to the
-    weights of an uninterrupted inline run."""
-    long = {**EXACT, "steps": 200, "checkpoint_every": 2}
-    checkpoints = tmp_path / "ckpt"
+def signal_rank_one(
+    student: Artifact, out: Path, checkpoints: Path, how: signal.Signals, **settings: object
+) -> tuple[PassError, float]:
+    """Run the pass in 2 ranks, send ``how`` to rank 1 once rank 0 wrote a checkpoint; (the pass's
+    error, seconds from the signal to the failure). Fails if it does not fail within 2 minutes."""
     failure: list[BaseException] = []
 
     def run() -> None:
         try:
-            distill(student, tmp_path / "killed", checkpoints, **long, **TWO)
+            distill(student, out, checkpoints, **settings, **TWO)
         except BaseException as exc:  # handed to the test's thread
             failure.append(exc)
 
@@ -111,18 +108,29 @@ def test_a_killed_rank_fails_the_pass_with_one_line_and_the_run_resumes_inline(
         if list(checkpoints.glob("step-*")):
             victim = rank_process(1)
         time.sleep(0.02)
-    assert victim is not None, "no checkpoint or no rank 1 to kill"
-    killed_at = time.monotonic()
-    os.kill(victim.pid, signal.SIGKILL)
+    assert victim is not None, "no checkpoint or no rank 1 to signal"
+    signalled_at = time.monotonic()
+    os.kill(victim.pid, how)
     runner.join(timeout=120)
-    assert not runner.is_alive() and time.monotonic() - killed_at < 60  # no hang
+    assert not runner.is_alive(), "the pass hangs"
     assert len(failure) == 1 and isinstance(failure[0], PassError), failure
-    message = str(failure[0])
-    assert message == (
+    assert rank_process(0) is None and rank_process(1) is None  # no rank left behind
+    return failure[0], time.monotonic() - signalled_at
+
+
+def test_a_killed_rank_fails_the_pass_with_one_line_and_the_run_resumes_inline(
+    student: Artifact, tmp_path: Path
+) -> None:
+    """Rank 1 is SIGKILLed once rank 0 wrote a checkpoint: the pass fails at once (gloo reports the
+    lost peer; the agent stops rank 0), and the same run resumes inline from that checkpoint to the
+    weights of an uninterrupted inline run."""
+    long = {**EXACT, "steps": 200, "checkpoint_every": 2}
+    checkpoints = tmp_path / "ckpt"
+    error, seconds = signal_rank_one(student, tmp_path / "killed", checkpoints, signal.SIGKILL, **long)
+    assert seconds < 60 and str(error) == (
         "distill: the 2-process launch failed: rank 1 was killed (SIGKILL); "
         "a rerun resumes at the last checkpoint"
     )
-    assert rank_process(0) is None and rank_process(1) is None  # the agent stopped rank 0 too
 
     resumed, metrics = distill(student, tmp_path / "resumed", checkpoints, **long)
     assert 2 <= metrics["resumed_from_step"] < 200 and metrics["compute"]["launcher"] == "inline"
@@ -132,35 +140,13 @@ def test_a_killed_rank_fails_the_pass_with_one_line_and_the_run_resumes_inline(
 
 def test_a_stuck_rank_fails_the_pass_after_the_collective_timeout(student: Artifact, tmp_path: Path) -> None:
     """Rank 1 is stopped (SIGSTOP, as a hung host): rank 0's next collective gives up after
-    distill.collective_timeout_s and writes its error; 5 s later the launch's process group is
-    killed (the stopped rank included), and the pass fails with one line instead of hanging."""
+    distill.collective_timeout_s and writes its error; 5 s later the agent and its ranks are killed
+    (the stopped one included), and the pass fails with one line instead of hanging."""
     settings = {**EXACT, "steps": 2000, "checkpoint_every": 2, "collective_timeout_s": 5}
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            distill(student, tmp_path / "out", tmp_path / "ckpt", **settings, **TWO)
-        except BaseException as exc:  # handed to the test's thread
-            failure.append(exc)
-
-    runner = threading.Thread(target=run)
-    runner.start()
-    deadline, victim = time.monotonic() + 120, None
-    while victim is None and time.monotonic() < deadline and runner.is_alive():
-        if list((tmp_path / "ckpt").glob("step-*")):
-            victim = rank_process(1)
-        time.sleep(0.02)
-    assert victim is not None, "no checkpoint or no rank 1 to stop"
-    stopped_at = time.monotonic()
-    os.kill(victim.pid, signal.SIGSTOP)
-    runner.join(timeout=120)
-    assert not runner.is_alive() and time.monotonic() - stopped_at < 25  # 5 s timeout + 5 s grace
-    assert len(failure) == 1 and isinstance(failure[0], PassError), failure
-    assert str(failure[0]).startswith(
-        "distill: the 2-process launch failed: rank 0: Timed out waiting 5000ms"
-    )
-    assert str(failure[0]).endswith("(another rank stopped answering for distill.collective_timeout_s)")
-    assert rank_process(0) is None and rank_process(1) is None
+    error, seconds = signal_rank_one(student, tmp_path / "out", tmp_path / "ckpt", signal.SIGSTOP, **settings)
+    assert seconds < 25  # the 5 s timeout, then 5 s for the other rank to end
+    assert str(error).startswith("distill: the 2-process launch failed: rank 0: Timed out waiting 5000ms")
+    assert str(error).endswith("(another rank stopped answering for distill.collective_timeout_s)")
 
 
 def test_an_inline_checkpoint_resumes_under_fsdp(
