@@ -32,7 +32,7 @@ class CalibrationConfig:
     seed: int = 0
     # Execution knobs (outside the cache key and the recorded output): the windows split over
     # num_processes ranks under `accelerate launch` (pipeline/distributed.py), their statistics
-    # summed or max-reduced across ranks, for the passes that can (GPTQ, AWQ, SmoothQuant); a collective
+    # summed or max-reduced across ranks, for the passes that can (GPTQ, AWQ, SmoothQuant, FP8); a collective
     # waiting longer than collective_timeout_s on another rank fails the pass.
     num_processes: int = 1
     collective_timeout_s: float = 300.0

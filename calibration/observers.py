@@ -47,6 +47,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from pipeline.distributed import Group
 from pipeline.errors import CalibrationError
 
 __all__ = [
@@ -186,6 +187,25 @@ class TensorStats:
                 needed += 1
         if needed > len(self.hist):
             self.hist = np.concatenate([self.hist, np.zeros(needed - len(self.hist), np.int64)])
+
+    def start_at(self, width: float) -> None:
+        """Begin with bins of ``width``, as if the first non-zero batch had set them (a rank that
+        does not hold the first batch takes the width from the rank that does)."""
+        if self.count or self.width:
+            raise ValueError(f"{self.label}: the histogram has started already")
+        self.width = width
+        self.hist = np.zeros(self.num_bins, np.int64)
+
+    def coarsened(self, width: float) -> np.ndarray:
+        """The histogram at ``width``, a power-of-two multiple of this one's (bins start at 0, so
+        pairs of bins merge exactly, as ``_grow`` merges them)."""
+        hist, current = self.hist, self.width
+        while current < width:
+            hist = (hist if len(hist) % 2 == 0 else np.append(hist, 0)).reshape(-1, 2).sum(axis=1)
+            current *= 2
+        if current != width:
+            raise ValueError(f"{self.label}: bin width {self.width} does not divide {width}")
+        return hist
 
     def edges(self) -> np.ndarray:
         return np.arange(len(self.hist) + 1, dtype=np.float64) * self.width
@@ -395,17 +415,20 @@ def collect_stats(
     total: int | None = None,
     progress: bool = True,
     threads: int = 0,
+    stats: dict[str, TensorStats] | None = None,
 ) -> dict[str, TensorStats]:
     """Run ``model_path`` on every feed and keep min/max/histogram of each named tensor.
 
     ``tensor_names`` may map each name to a label used in messages (``"<MatMul node> input"``).
+    ``stats``: statistics to continue (those of earlier feeds, or histograms already started).
     """
     import onnxruntime as ort
     from tqdm import tqdm
 
     labels = dict(tensor_names) if isinstance(tensor_names, Mapping) else {n: n for n in tensor_names}
     names = list(labels)
-    stats = {name: TensorStats(labels[name], num_bins=num_bins) for name in names}
+    if stats is None:
+        stats = {name: TensorStats(labels[name], num_bins=num_bins) for name in names}
     model_path = Path(model_path)
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -430,9 +453,39 @@ def collect_stats(
         for name, value in zip(names, outputs, strict=True):
             stats[name].update(value, where)
         seen += 1
-    if seen == 0:
+    if seen == 0 and not any(s.count for s in stats.values()):
         raise CalibrationError("calibration: no calibration batches were given")
     return stats
+
+
+def reduce_stats(stats: dict[str, TensorStats], ranks: Group) -> None:
+    """Merge every rank's statistics into those of all their batches, in place (every rank gets
+    them): min and max, counts, and histograms coarsened to the widest rank's bins and summed.
+    With every rank's bins started at the width the first batch set (:meth:`TensorStats.start_at`)
+    the widths are that width times powers of two, so the merged histogram is the one a single
+    process builds over the same batches (its ``_grow`` merges pairs of bins the same way)."""
+    if ranks.world == 1:
+        return
+    import torch
+
+    names = sorted(stats)
+    f64 = torch.float64
+    lows = -ranks.max(torch.tensor([-stats[n].lo for n in names], dtype=f64))
+    highs = ranks.max(torch.tensor([stats[n].hi for n in names], dtype=f64))
+    counts = ranks.sum(torch.tensor([stats[n].count for n in names], dtype=torch.int64))
+    widths = ranks.max(torch.tensor([stats[n].width for n in names], dtype=f64))
+    hists = [stats[n].coarsened(float(w)) for n, w in zip(names, widths, strict=True)]
+    lengths = ranks.max(torch.tensor([len(h) for h in hists], dtype=torch.int64)).tolist()
+    packed = torch.zeros(sum(lengths), dtype=torch.int64)
+    offsets = np.cumsum([0, *lengths])
+    for start, hist in zip(offsets, hists, strict=False):
+        packed[start : start + len(hist)] = torch.from_numpy(hist.astype(np.int64))
+    ranks.sum(packed)
+    for i, name in enumerate(names):
+        entry = stats[name]
+        entry.lo, entry.hi, entry.count = float(lows[i]), float(highs[i]), int(counts[i])
+        entry.width = float(widths[i])
+        entry.hist = packed[offsets[i] : offsets[i + 1]].numpy().copy()
 
 
 def collect_ranges(

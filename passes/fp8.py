@@ -25,7 +25,11 @@ The recipe is two graph -> graph passes, each cached on its own:
    the input of every linear MatMul (excluded ones too), min, max and a histogram of ``|x|`` in
    ``extras/calibration/activations.json`` (metadata ``calibration``). It depends only on the
    graph and ``quant.calibration``/``quant.num_bins``, so changing the observer, percentile or
-   exclusions reuses it: every observer is computed from the same histograms.
+   exclusions reuses it: every observer is computed from the same histograms. With
+   ``quant.calibration.num_processes`` > 1 each rank runs its windows in its own session, its
+   histograms started at the bins rank 0's first window set (as the first window sets them in one
+   process); min, max, counts and histograms (coarsened to the widest rank's bins, pairs of bins
+   merged as the histogram itself merges them) are then reduced: one process's statistics.
 2. ``fp8-qdq``: computes the scales and rewrites the graph (metadata ``quantization``).
 
 ``quant.activations=false`` skips calibration: FP8 weights only.
@@ -45,14 +49,15 @@ from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, as_calibration, recorded, token_windows
+from calibration.datasets import CalibrationConfig, as_calibration, recorded, shard, token_windows
 from calibration.observers import DEFAULT_BINS, FP8_E4M3, Observer, TensorStats, channel_amax, compute_amax
 from passes.selection import check_patterns, select_modules
 from passes.sensitivity import FallbackSettings, WeightFormat, sensitivity_pass
 from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
 from pipeline.base import Pass, Recipe
 from pipeline.config import register_pass
-from pipeline.errors import PassError
+from pipeline.distributed import Group, launch_calibration
+from pipeline.errors import CalibrationError, PassError
 from pipeline.graph_io import (
     check_data_files,
     check_model,
@@ -190,6 +195,9 @@ class CalibratePass(Pass):
     memory_profile = "graph"  # the graph in an ONNX Runtime session; its files linked
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
+    # Each rank runs its windows in its own session; min/max, counts and histograms are merged
+    # (calibration.observers.reduce_stats) after rank 0's first window set the bins for all.
+    calibrates_in_ranks = True
 
     def requires(self, source: Artifact) -> None:
         if "linear_weights" not in source.metadata:
@@ -197,10 +205,16 @@ class CalibratePass(Pass):
         check_opset(source, self.config.min_opset, self.config.recipe)
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
+        launched = launch_calibration(self, source, out_dir)
+        if launched is not None:
+            return launched
+        return self.run_rank(source, out_dir, Group())
+
+    def run_rank(self, source: Artifact, out_dir: Path, group: Group) -> dict[str, Any]:
+        """The pass in one rank of ``group`` (all of it for one process): rank 0 writes and
+        returns the metrics, the others return {}."""
         import onnx
         from transformers import AutoTokenizer
-
-        from calibration.observers import collect_stats
 
         metadata = read_metadata(source.path)
         model_file = source.path / metadata.get("model_file", "model.onnx")
@@ -208,10 +222,9 @@ class CalibratePass(Pass):
         labels = activation_labels(graph, metadata["linear_weights"])
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
         windows = token_windows(tokenizer, self.config.calibration)
-        feeds = calibration_feeds(windows, graph_io(source.path))
-        stats = collect_stats(
-            model_file, feeds, labels, num_bins=self.config.num_bins, total=len(windows), progress=True
-        )
+        stats = self._collect(model_file, windows, labels, graph_io(source.path), group)
+        if not group.main:
+            return {}
         link_graph_folder(source.path, out_dir, skip=(ARTIFACT_FILE,))
         (out_dir / STATS_FILE).unlink(missing_ok=True)  # a linked older file: replaced, not written through
         (out_dir / STATS_FILE).parent.mkdir(parents=True, exist_ok=True)
@@ -230,6 +243,51 @@ class CalibratePass(Pass):
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
         check_data_files(result.path, self.name)
         return {}
+
+    def _collect(
+        self, model_file: Path, windows: np.ndarray, labels: dict[str, str], io: Any, group: Group
+    ) -> dict[str, TensorStats]:
+        """Every tensor's statistics over all windows. In several ranks: rank 0's first window sets
+        each histogram's bins (the first batch does in one process) and every rank starts there,
+        runs its windows in a session of its share of the cores, and the ranks merge the result."""
+        import torch
+
+        from calibration.observers import collect_stats, reduce_stats
+        from pipeline.distributed import max_processes
+
+        num_bins = self.config.num_bins
+        if group.world == 1:
+            feeds = calibration_feeds(windows, io)
+            return collect_stats(model_file, feeds, labels, num_bins=num_bins, total=len(windows))
+        mine = shard(windows, group.rank, group.world, 1)
+        threads = max(1, max_processes("cpu") // group.world)
+        names = sorted(labels)
+        stats = None
+        if group.main:
+            first = calibration_feeds(mine[:1], io)
+            stats = collect_stats(
+                model_file, first, labels, num_bins=num_bins, progress=False, threads=threads
+            )
+        started = [stats[n].width if stats else 0.0 for n in names]  # rank 0's; 0 elsewhere
+        widths = group.sum(torch.tensor(started, dtype=torch.float64))
+        if not all(widths > 0):
+            raise CalibrationError(
+                f"{self.config_group or 'quant'}.calibration.num_processes={group.world}: the first "
+                "calibration window leaves a tensor all zeros, so it cannot set the histograms' bins "
+                "for every process; calibrate in one process"
+            )
+        if stats is None:
+            stats = {n: TensorStats(labels[n], num_bins=num_bins) for n in names}
+            for name, width in zip(names, widths.tolist(), strict=True):
+                stats[name].start_at(width)
+        rest = mine[1:] if group.main else mine
+        feeds = calibration_feeds(rest, io)
+        stats = collect_stats(
+            model_file, feeds, labels, num_bins=num_bins, total=len(rest), progress=group.main,
+            threads=threads, stats=stats,
+        )  # fmt: skip
+        reduce_stats(stats, group)
+        return stats
 
 
 # --- pass 2: Q/DQ -------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def _check_calibration_processes(step: Pass) -> None:
     if not step.calibrates_in_ranks:
         raise ConfigError(
             f"{knob}={processes}: pass '{step.name}' calibrates in one process with this config "
-            f"(several processes: quant=int8's smoothquant, quant=int4_gptq, quant=int4_awq with "
+            f"(several processes: quant=fp8, quant=int8, quant=int4_gptq, quant=int4_awq with "
             f"objective=linear); set {knob}=1"
         )
     if calibration.num_samples < processes:

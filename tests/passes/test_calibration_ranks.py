@@ -101,6 +101,43 @@ def test_smoothquant_in_two_processes_gives_one_process_scales(tiny_source: Arti
         torch.testing.assert_close(weights_two[name], tensor, rtol=1e-6, atol=1e-7)
 
 
+def test_fp8_activation_statistics_in_two_processes_are_one_process_statistics(
+    tiny_graph: Artifact, tmp_path: Path
+) -> None:
+    """Each rank runs its windows in its own ONNX Runtime session, its histograms started at the
+    bins rank 0's first window set; merged (min, max, counts, histograms coarsened to the widest
+    rank's bins and summed), they are the statistics one process gathers over the same windows,
+    and so is every observer's range."""
+    from calibration.observers import Observer, compute_amax
+    from passes.fp8 import CalibratePass, load_stats
+
+    def calibrate(out: Path, **calibration: int) -> tuple[Artifact, dict]:
+        step = CalibratePass(calibration={"num_samples": 6, "seq_len": 32, **calibration})
+        out.mkdir()
+        metrics = step.run(tiny_graph, out)
+        return Artifact.from_dir(Kind.GRAPH, out), metrics
+
+    one, one_metrics = calibrate(tmp_path / "one")
+    two, two_metrics = calibrate(tmp_path / "two", num_processes=2)
+    assert one_metrics == {k: v for k, v in two_metrics.items() if k != "ranks"}
+    stats_one, stats_two = load_stats(one.path), load_stats(two.path)
+    assert stats_one.keys() == stats_two.keys() and len(stats_one) == 9  # 4 inputs a block + the head
+    grown = 0
+    for name, a in stats_one.items():
+        b = stats_two[name]
+        assert (a.count, a.width, len(a.hist)) == (b.count, b.width, len(b.hist)), name
+        assert a.lo == pytest.approx(b.lo, rel=1e-6) and a.hi == pytest.approx(b.hi, rel=1e-6), name
+        # A value on a bin edge may land in the neighbouring bin of a finer histogram.
+        assert int(abs(a.hist - b.hist).sum()) <= max(2, a.count // 100_000), name
+        grown += len(a.hist) > a.num_bins  # some histograms outgrew the first window's range
+        for observer in Observer:
+            assert compute_amax(b, observer) == pytest.approx(compute_amax(a, observer), rel=1e-3), (
+                name,
+                observer,
+            )
+    assert grown, "no histogram grew past the first window's bins: the merge is not exercised"
+
+
 def test_a_pass_that_calibrates_in_one_process_refuses_more(tiny_source: Artifact, tmp_path: Path) -> None:
     def check(step: object) -> None:
         step.config_group = "quant"  # type: ignore[attr-defined]
