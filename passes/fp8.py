@@ -56,7 +56,7 @@ from passes.sensitivity import FallbackSettings, WeightFormat, sensitivity_pass
 from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
 from pipeline.base import Pass, Recipe
 from pipeline.config import register_pass
-from pipeline.distributed import Group, launch_calibration
+from pipeline.distributed import CalibratesInRanks, Group
 from pipeline.errors import CalibrationError, PassError
 from pipeline.graph_io import (
     check_data_files,
@@ -186,7 +186,7 @@ class CalibrateConfig:
         self.calibration = as_calibration(self.calibration)
 
 
-class CalibratePass(Pass):
+class CalibratePass(CalibratesInRanks, Pass):
     """graph -> graph: the same graph plus activation statistics of every linear MatMul input."""
 
     Config = CalibrateConfig
@@ -195,20 +195,11 @@ class CalibratePass(Pass):
     memory_profile = "graph"  # the graph in an ONNX Runtime session; its files linked
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
-    # Each rank runs its windows in its own session; min/max, counts and histograms are merged
-    # (calibration.observers.reduce_stats) after rank 0's first window set the bins for all.
-    calibrates_in_ranks = True
 
     def requires(self, source: Artifact) -> None:
         if "linear_weights" not in source.metadata:
             raise PassError(f"{self.config.recipe}: {source.path} records no linear_weights; re-run export")
         check_opset(source, self.config.min_opset, self.config.recipe)
-
-    def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
-        launched = launch_calibration(self, source, out_dir)
-        if launched is not None:
-            return launched
-        return self.run_rank(source, out_dir, Group())
 
     def run_rank(self, source: Artifact, out_dir: Path, group: Group) -> dict[str, Any]:
         """The pass in one rank of ``group`` (all of it for one process): rank 0 writes and

@@ -55,7 +55,7 @@ from passes.selection import select_modules
 from passes.sensitivity import FallbackSettings
 from pipeline.artifacts import Artifact, Kind, write_json, write_metadata
 from pipeline.base import Pass, Recipe
-from pipeline.distributed import Group, launch_calibration
+from pipeline.distributed import CalibratesInRanks, Group
 from pipeline.errors import CalibrationError, ConfigError, PassError
 
 log = logging.getLogger(__name__)
@@ -414,7 +414,7 @@ class TorchInt4Config(Int4Settings):
         validate_settings(self)
 
 
-class TorchInt4Pass(Pass):
+class TorchInt4Pass(CalibratesInRanks, Pass):
     """Base of the torch-stage INT4 passes: calibrate and quantize (subclass) one decoder block at a
     time, streamed from the checkpoint and written as it is done (``calibration.streaming``)."""
 
@@ -464,12 +464,6 @@ class TorchInt4Pass(Pass):
         if LM_HEAD in wanted:
             results.update(self.quantize_head(model.model.norm, model.lm_head, inputs.hidden))
         return results
-
-    def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
-        launched = launch_calibration(self, source, out_dir)
-        if launched is not None:
-            return launched
-        return self.run_rank(source, out_dir, Group())
 
     def run_rank(self, source: Artifact, out_dir: Path, group: Group) -> dict[str, Any]:
         """The pass in one rank of ``group`` (all of it for one process): each rank pushes its

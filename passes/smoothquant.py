@@ -62,7 +62,7 @@ from calibration.streaming import ForwardTime
 from passes.selection import check_patterns, matches
 from pipeline.artifacts import Artifact, Kind, write_json, write_metadata
 from pipeline.base import Pass
-from pipeline.distributed import Group, launch_calibration
+from pipeline.distributed import CalibratesInRanks, Group
 from pipeline.errors import CalibrationError, PassError
 from pipeline.placement import CPU_FLOAT32, ResolvedPlacement
 
@@ -510,7 +510,7 @@ def _block_output(layer: Any, hidden: Any, kwargs: dict[str, Any]) -> Any:
 # The pass
 
 
-class SmoothQuantPass(Pass):
+class SmoothQuantPass(CalibratesInRanks, Pass):
     """Torch -> torch: the smoothed checkpoint plus ``extras/int8/activations.json``."""
 
     Config = SmoothQuantConfig
@@ -520,7 +520,6 @@ class SmoothQuantPass(Pass):
     produces = Kind.TORCH
     placement_knobs = ("device", "torch_dtype")
     memory_profile = "block"
-    calibrates_in_ranks = True
 
     def requires(self, source: Artifact) -> None:
         validate(self.config)
@@ -529,12 +528,6 @@ class SmoothQuantPass(Pass):
             raise PassError(
                 f"smoothquant: model_type is {hf.get('model_type')!r}; quant=int8 smooths Llama models only"
             )
-
-    def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
-        launched = launch_calibration(self, source, out_dir)
-        if launched is not None:
-            return launched
-        return self.run_rank(source, out_dir, Group())
 
     def run_rank(self, source: Artifact, out_dir: Path, group: Group) -> dict[str, Any]:
         """The pass in one rank of ``group`` (all of it for one process): rank 0 writes and

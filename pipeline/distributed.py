@@ -28,7 +28,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -312,7 +311,9 @@ def launch(
         command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
         command += ["--num_cpu_threads_per_process", str(threads)]
         if num_processes > 1:
-            command += ["--multi_gpu", "--main_process_port", str(_free_port())]
+            # Port 0: the agent's store binds a free port itself (a port picked here and bound later
+            # could be taken meanwhile by another launch on this machine).
+            command += ["--multi_gpu", "--main_process_port", "0"]
         elif device_type != "cuda":
             command += ["--cpu"]
         command += ["-m", "pipeline.distributed", str(work / SPEC_FILE)]
@@ -335,6 +336,18 @@ def _read_int(path: Path) -> int | None:
         return int(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+class CalibratesInRanks:
+    """Mixin of a pass (listed before ``Pass``) whose ``run_rank(source, out_dir, group)`` splits
+    its calibration windows over ``calibration.num_processes`` ranks and reduces the statistics:
+    ``run`` launches the ranks, or runs inline for one process."""
+
+    calibrates_in_ranks = True
+
+    def run(self, source: Any, out_dir: Path) -> dict[str, Any]:
+        launched = launch_calibration(self, source, out_dir)
+        return launched if launched is not None else self.run_rank(source, out_dir, Group())  # type: ignore[attr-defined]
 
 
 def launch_calibration(step: Any, source: Any, out_dir: Path) -> dict[str, Any] | None:
@@ -422,12 +435,6 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         _kill_group(process)
         process.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # gloo's "[.../pair.cc:553] "
