@@ -148,12 +148,16 @@ class Group:
             dist.barrier()
 
 
-def join(device_type: str, timeout_s: float) -> Group:
+def join(device: str, timeout_s: float) -> Group:
     """Join this rank's process group through accelerate (gloo on the CPU, NCCL on CUDA): every
-    collective waits at most ``timeout_s`` seconds for the other ranks."""
+    collective waits at most ``timeout_s`` seconds for the other ranks. A launch of one process
+    (no ``WORLD_SIZE`` above 1) has no group to join: it computes on ``device`` alone."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return Group(device=device)
+    device_type = device.split(":")[0]
     backend = "nccl" if device_type == "cuda" else "gloo"
     handler = InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     accelerator = Accelerator(cpu=device_type != "cuda", kwargs_handlers=[handler])
@@ -314,8 +318,6 @@ def launch(
             # Port 0: the agent's store binds a free port itself (a port picked here and bound later
             # could be taken meanwhile by another launch on this machine).
             command += ["--multi_gpu", "--main_process_port", "0"]
-        elif device_type != "cuda":
-            command += ["--cpu"]
         command += ["-m", "pipeline.distributed", str(work / SPEC_FILE)]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
@@ -487,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         step: Any = cls(**spec["config"])
         step.config_group = spec["config_group"]
         placement = ResolvedPlacement(**spec["placement"])
-        group = join(placement.device_type, float(spec["timeout_s"]))
+        group = join(placement.device, float(spec["timeout_s"]))
         rank = group.rank
         step.placement = ResolvedPlacement(group.device, placement.torch_dtype)
         step.checkpoint_dir = None if spec["checkpoint_dir"] is None else Path(spec["checkpoint_dir"])

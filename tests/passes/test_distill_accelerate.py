@@ -75,6 +75,17 @@ def test_two_processes_give_the_single_process_losses_and_weights(
     assert result.metadata == alone.metadata  # the output does not say how many processes made it
 
 
+def test_one_process_under_accelerate_is_the_inline_run(
+    student: Artifact, inline: tuple[Artifact, dict], tmp_path: Path
+) -> None:
+    """``accelerate launch`` of one process (no process group): the inline run's student, to the bit."""
+    result, metrics = distill(
+        student, tmp_path / "out", tmp_path / "ckpt", steps=4, **EXACT, launcher="accelerate"
+    )
+    assert metrics["compute"]["processes"] == 1 and metrics["ranks"]["processes"] == 1
+    assert metrics["loss_curve"] == inline[1]["loss_curve"] and result.digest == inline[0].digest
+
+
 def rank_process(rank: int) -> psutil.Process | None:
     """This user's running rank ``rank`` of a ``pipeline.distributed`` launch."""
     for process in psutil.process_iter(["cmdline"]):
