@@ -160,6 +160,27 @@ def test_a_stuck_rank_fails_the_pass_after_the_collective_timeout(student: Artif
     assert str(error).endswith("(another rank stopped answering for distill.collective_timeout_s)")
 
 
+def test_ctrl_c_stops_every_rank(student: Artifact, tmp_path: Path) -> None:
+    """SIGINT to this process while the ranks train (Ctrl-C at the terminal: the launch runs in a
+    session of its own, so only we get it): KeyboardInterrupt, and no rank is left running."""
+    settings = {**EXACT, "steps": 2000, "checkpoint_every": 2}
+    checkpoints = tmp_path / "ckpt"
+
+    def interrupt_after_a_checkpoint() -> None:
+        deadline = time.monotonic() + 120
+        while not list(checkpoints.glob("step-*")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_after_a_checkpoint, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        distill(student, tmp_path / "out", checkpoints, **settings, **TWO)
+    deadline = time.monotonic() + 40  # SIGTERM to the agent, which stops its ranks
+    while (rank_process(0) or rank_process(1)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rank_process(0) is None and rank_process(1) is None
+
+
 def test_an_inline_checkpoint_resumes_under_fsdp(
     student: Artifact, inline: tuple[Artifact, dict], tmp_path: Path
 ) -> None:
