@@ -440,12 +440,12 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # gloo's "[.../pair.cc:553] "
-ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n[^\n]*exitcode\s*:\s*(-?\d+)")
+FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n[^\n]*exitcode\s*:\s*(-?\d+)")
 
 
 def _failure(work: Path, tail: str, world: int, code: int, knob: str) -> PipelineError:
     """One line for a failed launch: a rank's own user error verbatim, else the rank that was
-    killed (the agent's root cause) or the first rank's error, else the launch's last line."""
+    killed or the first rank's error, else the launch's last line."""
     errors: dict[int, dict[str, Any]] = {}
     for path in work.glob(f"{ERROR_PREFIX}*.json"):
         with contextlib.suppress(ValueError, OSError):
@@ -453,8 +453,16 @@ def _failure(work: Path, tail: str, world: int, code: int, knob: str) -> Pipelin
     user = [errors[rank] for rank in sorted(errors) if errors[rank].get("user")]
     if user:
         return PassError(user[0]["message"])
-    _, _, root = tail.rpartition("Root Cause")
-    died = [(int(rank), int(exit)) for rank, exit in ROOT_CAUSE.findall(root or tail)]
+    # The agent's last report lists every failed rank, the first it observed under "Root Cause".
+    # A rank killed without an error of its own is the cause: the first observed one, else any
+    # other than those the agent itself stopped (SIGTERM). The peers it left in a collective fail
+    # within the same poll, so the agent may observe one of them first.
+    _, _, report = tail.rpartition("Failures:")
+    _, _, root = report.rpartition("Root Cause")
+    died = [(int(rank), int(exit)) for rank, exit in FAILED_RANK.findall(root)]
+    died += [
+        (int(rank), int(exit)) for rank, exit in FAILED_RANK.findall(report) if int(exit) != -signal.SIGTERM
+    ]
     prefix = f"{knob}: the {world}-process launch failed"
     for rank, exit in died:
         if rank not in errors and exit < 0:
@@ -496,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(spec["source"])
         source = Artifact(Kind(spec["source_kind"]), path, str(spec["source_digest"]), read_metadata(path))
         metrics = step.run_rank(source, Path(spec["out_dir"]), group)
+        group.barrier()  # every rank done before any tears its connections down
         if group.main:
             staged = work / f".{RESULT_FILE}"
             staged.write_text(json.dumps(metrics))
@@ -515,5 +524,23 @@ def main(argv: list[str] | None = None) -> int:
             leave(group)
 
 
+def _exit(code: int) -> None:
+    """End the rank with ``code`` once its files are written and its group left, without the
+    interpreter's teardown: native libraries' static destructors (ONNX Runtime's and gloo's threads)
+    ran there and, rarely, aborted a rank that had finished its work (SIGABRT, "terminate called
+    without an active exception"), failing a launch whose every result was on disk."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        exit_code = main()
+    except BaseException:  # its error file is written: print the traceback, as Python would
+        import traceback
+
+        traceback.print_exc()
+        exit_code = 1
+    _exit(exit_code)

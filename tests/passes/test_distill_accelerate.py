@@ -163,18 +163,35 @@ def test_a_stuck_rank_fails_the_pass_after_the_collective_timeout(student: Artif
 def test_ctrl_c_stops_every_rank(student: Artifact, tmp_path: Path) -> None:
     """SIGINT to this process while the ranks train (Ctrl-C at the terminal: the launch runs in a
     session of its own, so only we get it): KeyboardInterrupt, and no rank is left running."""
+    # Python's own SIGINT handler whatever started pytest: a background job of a non-interactive
+    # shell (as CI may be) inherits SIGINT ignored, and the signal would change nothing.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_two_ranks(student, tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_two_ranks(student: Artifact, tmp_path: Path) -> None:
     settings = {**EXACT, "steps": 2000, "checkpoint_every": 2}
     checkpoints = tmp_path / "ckpt"
 
-    def interrupt_after_a_checkpoint() -> None:
-        deadline = time.monotonic() + 120
-        while not list(checkpoints.glob("step-*")) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        os.kill(os.getpid(), signal.SIGINT)
+    finished = threading.Event()
 
-    threading.Thread(target=interrupt_after_a_checkpoint, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        distill(student, tmp_path / "out", checkpoints, **settings, **TWO)
+    def interrupt_after_a_checkpoint() -> None:
+        while not list(checkpoints.glob("step-*")) and not finished.wait(0.02):
+            pass
+        if not finished.is_set():
+            os.kill(os.getpid(), signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_after_a_checkpoint, daemon=True)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            distill(student, tmp_path / "out", checkpoints, **settings, **TWO)
+    finally:
+        finished.set()
+        interrupter.join()
     deadline = time.monotonic() + 40  # SIGTERM to the agent, which stops its ranks
     while (rank_process(0) or rank_process(1)) and time.monotonic() < deadline:
         time.sleep(0.2)
