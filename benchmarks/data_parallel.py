@@ -40,9 +40,9 @@ CONTESTANTS = {
 def pruned_student(model: Path) -> Any:
     """The default model after ``prune=width25``, through the pass manager and its cache."""
     from passes.prune import PrunePass
-    from pipeline.artifacts import Artifact, Kind
-    from pipeline.cache import Cache
-    from pipeline.manager import PassManager, validate
+    from pipeline.core.artifacts import Artifact, Kind
+    from pipeline.core.cache import Cache
+    from pipeline.core.manager import PassManager, validate
 
     step = PrunePass(mlp_ratio=0.25)
     step.config_group = "prune"
@@ -54,7 +54,7 @@ def pruned_student(model: Path) -> Any:
 
 def distill(student: Any, settings: dict[str, Any], steps: int) -> tuple[dict[str, Any], float, Path]:
     from passes.distill import DistillPass
-    from pipeline.artifacts import Artifact, Kind
+    from pipeline.core.artifacts import Artifact, Kind
 
     step = DistillPass(steps=steps, checkpoint_every=10**6, **settings)
     step.config_group = "distill"
@@ -73,8 +73,8 @@ def calibrate(model: Path, recipe: str, processes: int) -> dict[str, Any]:
 
     from passes.gptq import GptqPass
     from passes.smoothquant import SmoothQuantPass
-    from pipeline.artifacts import Artifact, Kind
-    from pipeline.manager import validate
+    from pipeline.core.artifacts import Artifact, Kind
+    from pipeline.core.manager import validate
 
     calibration = {"num_processes": processes}
     step = (

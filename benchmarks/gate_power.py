@@ -117,7 +117,7 @@ def modified_checkpoint(out: Path, name: str, args: argparse.Namespace) -> Path:
     ``resaved`` changes nothing."""
     import torch
 
-    from pipeline.torch_model import load_causal_lm
+    from pipeline.core.torch_model import load_causal_lm
 
     folder = out / "models" / name
     if (folder / "config.json").is_file():

@@ -160,7 +160,7 @@ def gate(baseline: Contestant, candidate: Contestant, args: argparse.Namespace) 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from evals.agreement import compare
-    from pipeline.gpu import require_tensorrt
+    from pipeline.core.gpu import require_tensorrt
     from pipeline.runtime import Engine
 
     trt_version, gpu = require_tensorrt()  # a ConfigError (one line, exit 2) without GPU/TensorRT

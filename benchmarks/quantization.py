@@ -75,9 +75,9 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: make ``pipeline`
 
 from pipeline.bench import host_info, summarize  # noqa: E402
 from pipeline.config import QualityConfig  # noqa: E402
-from pipeline.errors import EngineError, PipelineError, first_line  # noqa: E402
+from pipeline.core.engine import IOSpec  # noqa: E402
+from pipeline.core.errors import EngineError, PipelineError, first_line  # noqa: E402
 from pipeline.runtime import Engine, GenerationConfig, OrtModel  # noqa: E402
-from pipeline.runtime.ort import IOSpec  # noqa: E402
 
 DEFAULT_RECIPES = ["none", "fp8", "int8", "int4_awq", "int4_gptq"]
 REFERENCE = "none"
@@ -209,8 +209,8 @@ def build_builder_model(
     source_dir: Path, source_digest: str, out: Path, timeout_s: int, precision: str = "int4"
 ) -> Contestant:
     """The model builder's ``precision`` (int4, fp32) model of ``source_dir``, from the cache or built now."""
-    from pipeline.artifacts import Kind, folder_digest
-    from pipeline.cache import Cache, cache_key
+    from pipeline.core.artifacts import Kind, folder_digest
+    from pipeline.core.cache import Cache, cache_key
 
     version = builder_version()
     row = Contestant(f"builder {precision} (ORT GenAI {version or '-'})", "builder")
@@ -390,8 +390,8 @@ def score(row: Contestant, reference: Contestant, config: QualityConfig) -> dict
     import hashlib
 
     from evals.agreement import compare
-    from pipeline.artifacts import write_json
-    from pipeline.cache import library_versions
+    from pipeline.core.artifacts import write_json
+    from pipeline.core.cache import library_versions
 
     assert row.engine is not None and reference.engine is not None and reference.manifest is not None
     ref_digest = reference.manifest["engine"]["digest"]
@@ -578,7 +578,7 @@ def _row_record(row: Contestant, ref_tpot: float) -> dict[str, Any]:
 
 
 def _versions() -> dict[str, str]:
-    from pipeline.cache import installed_versions
+    from pipeline.core.cache import installed_versions
 
     return installed_versions(("onnxruntime", "onnxruntime-genai", "onnx", "transformers", "torch"))
 

@@ -35,7 +35,7 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipeline.artifacts import file_digests  # noqa: E402
+from pipeline.core.artifacts import file_digests  # noqa: E402
 from pipeline.registry import LocalRegistry, Ref  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -227,7 +227,7 @@ def write_checkpoint(
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.staging import owned_folder, unique_name
+    from pipeline.core.staging import owned_folder, unique_name
 
     spec = _spec(shape, seed, shard_bytes)
     if checkpoint_ok(folder, spec):

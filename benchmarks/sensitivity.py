@@ -47,11 +47,11 @@ def scan_pass(recipe: str, overrides: list[str]) -> Any:
     from hydra import compose, initialize_config_dir
 
     from pipeline.config import register_pipeline_schemas
-    from pipeline.plugins import build_passes, discover_passes
+    from pipeline.core.plugins import build_passes, discover_passes
 
     register_pipeline_schemas()
     discover_passes()
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
 
     with initialize_config_dir(str(REPO / "configs"), version_base="1.3"):
         try:
@@ -124,7 +124,7 @@ def measure_format(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
 
     if not (args.model / "config.json").is_file():
         raise ConfigError(
@@ -215,7 +215,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.errors import PipelineError
+    from pipeline.core.errors import PipelineError
 
     args = parse_args(argv)
     try:

@@ -4,7 +4,7 @@ and how many times each pass output and each engine's suite scores were computed
 Jobs of one sweep share ``artifacts/`` (here a fresh ``--out``/cache). Outputs several jobs need
 (the export of the same checkpoint, the reference engine's passes, the reference's gate scores)
 must be computed once: the job that takes a key's compute lock computes it, the others wait and
-reuse it (``pipeline/staging.py: key_lock``). The counts come from each job's log: the pass
+reuse it (``pipeline/core/staging.py: key_lock``). The counts come from each job's log: the pass
 manager's ``pass i/n NAME: running (KEY)`` and ``cache hit (KEY)`` lines, and the gate's
 ``eval: scoring SUITE of DIGEST`` and ``eval: SUITE scores of DIGEST from the cache`` lines.
 

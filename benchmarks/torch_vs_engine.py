@@ -48,7 +48,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: make ``pipeline`
     sys.path.insert(0, str(REPO))
 
 from pipeline.bench import host_info, summarize  # noqa: E402
-from pipeline.errors import EngineError, SourceError  # noqa: E402
+from pipeline.core.errors import EngineError, SourceError  # noqa: E402
 from pipeline.runtime.generate import common_prefix_length  # noqa: E402
 
 GREEDY_CHECK_TOKENS = 16
@@ -170,8 +170,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from tqdm.auto import tqdm
 
+    from pipeline.core.torch_model import load_causal_lm
     from pipeline.runtime import Engine, GenerationConfig
-    from pipeline.torch_model import load_causal_lm
 
     engine_dir: Path = args.engine.resolve() if args.engine else newest_engine()
     if not (engine_dir / "engine.json").is_file():

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import CalibrationError
+from pipeline.core.errors import CalibrationError
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DATASETS = {"python_reference": "python_reference.txt"}
@@ -31,7 +31,7 @@ class CalibrationConfig:
     seq_len: int = 256
     seed: int = 0
     # Execution knobs (outside the cache key and the recorded output): the windows split over
-    # num_processes ranks under `accelerate launch` (pipeline/distributed.py), their statistics
+    # num_processes ranks under `accelerate launch` (pipeline/core/distributed.py), their statistics
     # summed or max-reduced across ranks, for the passes that can (GPTQ, AWQ, SmoothQuant, FP8); a collective
     # waiting longer than collective_timeout_s on another rank fails the pass.
     num_processes: int = 1

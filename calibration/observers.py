@@ -32,7 +32,7 @@ constructor writes ``<model>-inferred.onnx`` beside the input model (ours is an 
 entry) and re-saves every weight; MinMaxCalibrater merges with ``np.nanmax`` after ORT's
 ``ReduceMax``, whose NaN result depends on element order ([1, nan, 3] -> 3, [nan, 1, 3] -> nan,
 ORT 1.32), so a NaN activation could pass unnoticed; and its HistogramCollector prints per
-batch. Non-finite values raise :class:`~pipeline.errors.CalibrationError` naming the tensor.
+batch. Non-finite values raise :class:`~pipeline.core.errors.CalibrationError` naming the tensor.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from pipeline.distributed import Group
-from pipeline.errors import CalibrationError
+from pipeline.core.distributed import Group
+from pipeline.core.errors import CalibrationError
 
 __all__ = [
     "FORMATS",

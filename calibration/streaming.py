@@ -21,7 +21,7 @@ GPU block by block) and neither writes the result block by block; accelerate's `
 - :class:`CheckpointWriter`: writes each finished module's tensors as one safetensors shard as soon
   as it is produced, then ``model.safetensors.index.json`` and ``config.json`` /
   ``generation_config.json`` (the rest of the folder comes from
-  :func:`pipeline.torch_model.copy_beside_weights`), so the output model is never whole in memory.
+  :func:`pipeline.core.torch_model.copy_beside_weights`), so the output model is never whole in memory.
 
 Tied embeddings (``lm_head.weight`` absent from the checkpoint, read from
 ``model.embed_tokens.weight``) are handled by the key map; :meth:`StreamedCheckpoint.untie_lm_head`
@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import SourceError
-from pipeline.placement import CPU_FLOAT32, ResolvedPlacement
+from pipeline.core.errors import SourceError
+from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -260,15 +260,15 @@ class StreamedCheckpoint:
 
     def release(self, prefix: str) -> None:
         """Send module ``prefix`` back to ``meta`` (its memory is freed and handed back to the OS:
-        ``pipeline.allocator.return_freed_memory``)."""
-        from pipeline.allocator import return_freed_memory
+        ``pipeline.core.allocator.return_freed_memory``)."""
+        from pipeline.core.allocator import return_freed_memory
 
         self.module(prefix).to("meta")
         return_freed_memory()
 
     def untie_lm_head(self) -> bool:
         """Make the output hold its own ``lm_head`` (read from the embedding when tied); whether
-        the checkpoint was tied. As :func:`passes.int4.untie_lm_head`, for a streamed model."""
+        the checkpoint was tied. As :func:`pipeline.core.torch_model.untie_lm_head`, for a streamed model."""
         tied = self.tied
         self.config.tie_word_embeddings = False
         self.model.config.tie_word_embeddings = False

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from pipeline.config import QualityConfig
-from pipeline.errors import EngineError
+from evals.config import QualityConfig
+from pipeline.core.errors import EngineError
 from pipeline.runtime import Engine
 
 DATA_DIR = Path(__file__).resolve().parent / "data"

@@ -26,8 +26,8 @@ from typing import Any
 
 from evals.drift import DriftRule, judge_drift
 from evals.stats import FAIL, INCONCLUSIVE, PASS, GateThresholds, compare_suite, resolution, verdict
-from pipeline.cache import computing_once, load_record, write_record
-from pipeline.errors import PipelineError
+from pipeline.core.cache import computing_once, load_record, write_record
+from pipeline.core.errors import PipelineError
 
 log = logging.getLogger(__name__)
 

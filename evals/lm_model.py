@@ -51,7 +51,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from tqdm import tqdm
 
-from pipeline.errors import EngineError, first_line
+from pipeline.core.errors import EngineError, first_line
 from pipeline.runtime import Engine, GenerationConfig
 from pipeline.runtime.generate import PREFILL_CHUNK, common_prefix_length, prefill
 

@@ -48,27 +48,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from passes.int4 import (
-    CALIBRATION_BATCH,
-    LM_HEAD,
-    Int4Recipe,
-    Int4RecipeConfig,
-    LayerInputs,
+from passes.formats.int4 import (
     QuantizedLinear,
-    TorchInt4Config,
-    TorchInt4Pass,
-    check_finite,
     dequantize,
     fake_quantize_rtn,
-    input_hooks,
     quantize_codes,
     quantize_rtn,
     range_params,
+)
+from passes.int4 import (
+    CALIBRATION_BATCH,
+    LayerInputs,
+    TorchInt4Config,
+    TorchInt4Pass,
+    check_finite,
+    input_hooks,
     run_layer,
 )
-from pipeline.config import register_pass
-from pipeline.distributed import Group
-from pipeline.errors import ConfigError
+from pipeline.core.distributed import Group
+from pipeline.core.errors import ConfigError
+from pipeline.core.torch_model import LM_HEAD
 
 log = logging.getLogger(__name__)
 
@@ -106,21 +105,6 @@ class AwqConfig(TorchInt4Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         validate_awq(self)
-
-
-@dataclass
-class Int4AwqConfig(Int4RecipeConfig):
-    """``quant=int4_awq``: AWQ in torch, lowered to MatMulNBits (or block-wise Q/DQ) in the graph."""
-
-    _target_: str = "passes.awq.Int4AwqRecipe"
-    grid: int = 20
-    objective: Objective = Objective.linear
-    search_samples: int = 16
-    sketch_rows: int = 1024
-    clip: bool = True
-
-
-register_pass("quant", "int4_awq", Int4AwqConfig)
 
 
 def validate_awq(config: Any) -> None:
@@ -497,9 +481,3 @@ class AwqPass(TorchInt4Pass):
                 results[prefix + name] = quantized
         log.debug("%s scale exponents %s", prefix or "lm_head", {k: v[1] for k, v in chosen.items()})
         return results
-
-
-class Int4AwqRecipe(Int4Recipe):
-    Config = Int4AwqConfig
-    name = "int4_awq"
-    torch_pass = AwqPass

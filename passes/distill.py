@@ -39,7 +39,7 @@ checkpoint that cannot be read back (truncated, bad JSON, other tensor names or 
 discarded with a warning and the run resumes from the one before (or from the start).
 Defaults fit the 2-core CPU: see ``configs/distill/kd.yaml`` for the measured budget.
 
-Data parallelism (``launcher="accelerate"``, ``num_processes=N``; ``pipeline/distributed.py``):
+Data parallelism (``launcher="accelerate"``, ``num_processes=N``; ``pipeline/core/distributed.py``):
 the same pass in N ranks started by ``accelerate launch`` (gloo on the CPU, NCCL on CUDA, a
 timeout on every collective), as PyTorch's DDP (Li et al. 2020, "PyTorch Distributed: Experiences
 on Accelerating Data Parallel Training") or FSDP (Zhao et al. 2023, "PyTorch FSDP: Experiences on
@@ -68,10 +68,10 @@ import numpy as np
 
 from calibration.datasets import DATASETS, calibration_text
 from passes.prune import holdout_quality
-from pipeline.artifacts import Artifact, Kind, folder_digest, sha256_file, write_metadata
-from pipeline.base import Pass, without_knobs
-from pipeline.config import register_pass
-from pipeline.distributed import (
+from pipeline.core.artifacts import Artifact, Kind, folder_digest, sha256_file, write_metadata
+from pipeline.core.base import Pass, without_knobs
+from pipeline.core.config import register_pass
+from pipeline.core.distributed import (
     LAUNCHERS,
     STRATEGIES,
     Group,
@@ -85,11 +85,11 @@ from pipeline.distributed import (
     sync_gradients,
     unwrapped,
 )
-from pipeline.errors import PassError
-from pipeline.staging import owned_folder, remove_abandoned, unique_name
+from pipeline.core.errors import PassError
+from pipeline.core.staging import owned_folder, remove_abandoned, unique_name
 
 if TYPE_CHECKING:
-    from pipeline.memory import ModelShapes
+    from pipeline.core.memory import ModelShapes
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ class DistillPass(Pass):
             or self.placement.device_type == "cuda"
         ):
             return None
-        from pipeline.memory import generic_estimate
+        from pipeline.core.memory import generic_estimate
 
         one = generic_estimate(self, shapes).host_bytes
         if config.strategy == "ddp":
@@ -331,8 +331,8 @@ class DistillPass(Pass):
         from tqdm import tqdm
 
         from calibration.streaming import StreamedCheckpoint
-        from pipeline.placement import ResolvedPlacement
-        from pipeline.torch_model import copy_beside_weights, load_tokenizer
+        from pipeline.core.placement import ResolvedPlacement
+        from pipeline.core.torch_model import copy_beside_weights, load_tokenizer
 
         config = self.config
         placement = self.placement

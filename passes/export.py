@@ -62,14 +62,15 @@ from typing import Any
 import numpy as np
 
 from calibration.streaming import StreamedCheckpoint
-from pipeline.allocator import large_allocations_unmapped
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, link_tree, write_metadata
-from pipeline.base import Pass
-from pipeline.config import register_pass
-from pipeline.errors import PassError
-from pipeline.progress import phases
-from pipeline.runtime.ort import IOSpec, OrtModel, graph_io
-from pipeline.torch_model import load_tokenizer
+from pipeline.core.allocator import large_allocations_unmapped
+from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, link_tree, write_metadata
+from pipeline.core.base import Pass
+from pipeline.core.config import register_pass
+from pipeline.core.engine import IOSpec, graph_io
+from pipeline.core.errors import PassError
+from pipeline.core.progress import phases
+from pipeline.core.torch_model import load_tokenizer
+from pipeline.runtime.ort import OrtModel
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class ExportPass(Pass):
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         import onnx_ir as ir
 
-        from pipeline.graph_io import save_graph
+        from pipeline.core.graph_io import save_graph
 
         with phases("export", 3) as start:
             start("trace the weightless model")
@@ -264,7 +265,7 @@ class ExportPass(Pass):
         return onnx.load_from_string(buffer.getvalue()), io
 
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
-        from pipeline.graph_io import check_data_files
+        from pipeline.core.graph_io import check_data_files
 
         check_data_files(result.path, "export")  # unreferenced *.data files, missing referenced ones
         # Stricter: the exporter's per-tensor files (onnx__MatMul_662, ...) carry no .data suffix.
@@ -489,7 +490,7 @@ def external_files(model_path: Path) -> set[str]:
     """The external-data files an ONNX model references (``location`` entries), without loading them."""
     import onnx
 
-    from pipeline.graph_io import proto_tensors
+    from pipeline.core.graph_io import proto_tensors
 
     model = onnx.load(str(model_path), load_external_data=False)
     files = set()

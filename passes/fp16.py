@@ -15,8 +15,8 @@ ONNX Runtime on CPU runs the graph too (slower than fp32 there: few fp16 CPU ker
 how ``ensures`` and the gate judge its numerics.
 
 Memory: the converter takes an ``onnx.ModelProto`` with its weights, so this pass holds the fp32
-weights once (``pipeline.graph_io.load_proto``, no second copy) plus the fp16 ones it makes; the
-result is written through ``pipeline.graph_io.save_graph`` from the converted protobuf's tensors
+weights once (``pipeline.core.graph_io.load_proto``, no second copy) plus the fp16 ones it makes; the
+result is written through ``pipeline.core.graph_io.save_graph`` from the converted protobuf's tensors
 (no further copy). Rewriting the converter on onnx-ir would lift that; we keep ONNX Runtime's.
 """
 
@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from passes.fp8 import PARITY_PROMPT
-from pipeline.artifacts import Artifact, Kind, read_metadata, write_metadata
-from pipeline.base import Pass
-from pipeline.config import register_pass
-from pipeline.errors import PassError
-from pipeline.graph_io import check_data_files, compare_graphs, link_folder_files, load_proto, save_graph
+from pipeline.core.artifacts import Artifact, Kind, read_metadata, write_metadata
+from pipeline.core.base import Pass
+from pipeline.core.config import register_pass
+from pipeline.core.errors import PassError
+from pipeline.core.graph_io import check_data_files, link_folder_files, load_proto, save_graph
+from pipeline.runtime.parity import compare_graphs
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Fp16Pass(Pass):
     Config = Fp16Config
     name = "fp16"
     drift = "bits16"
-    version = 2  # 2: written through pipeline/graph_io.py (sharded data, other files hard-linked)
+    version = 2  # 2: written through pipeline/core/graph_io.py (sharded data, other files hard-linked)
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
 

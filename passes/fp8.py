@@ -34,7 +34,7 @@ The recipe is two graph -> graph passes, each cached on its own:
 
 ``quant.activations=false`` skips calibration: FP8 weights only.
 
-Both read and write the graph through ``pipeline/graph_io.py`` (onnx-ir, weights memory-mapped;
+Both read and write the graph through ``pipeline/core/graph_io.py`` (onnx-ir, weights memory-mapped;
 unchanged files hard-linked; ``ensures`` compares with the input by prefill and decode steps).
 """
 
@@ -52,23 +52,21 @@ import numpy as np
 from calibration.datasets import CalibrationConfig, as_calibration, recorded, shard, token_windows
 from calibration.observers import DEFAULT_BINS, FP8_E4M3, Observer, TensorStats, channel_amax, compute_amax
 from passes.selection import check_patterns, select_modules
-from passes.sensitivity import FallbackSettings, WeightFormat, sensitivity_pass
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
-from pipeline.base import Pass, Recipe
-from pipeline.config import register_pass
-from pipeline.distributed import CalibratesInRanks, Group
-from pipeline.errors import CalibrationError, PassError
-from pipeline.graph_io import (
+from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
+from pipeline.core.base import Pass
+from pipeline.core.distributed import CalibratesInRanks, Group
+from pipeline.core.engine import graph_io
+from pipeline.core.errors import CalibrationError, PassError
+from pipeline.core.graph_io import (
     check_data_files,
     check_model,
-    compare_graphs,
     link_folder_files,
     link_graph_folder,
     load_graph,
     new_initializer,
     save_graph,
 )
-from pipeline.runtime.ort import graph_io
+from pipeline.runtime.parity import compare_graphs
 
 log = logging.getLogger(__name__)
 
@@ -83,40 +81,6 @@ class WeightObserver(enum.StrEnum):
     minmax = "minmax"
     percentile = "percentile"
     mse = "mse"
-
-
-@dataclass
-class Fp8Config(FallbackSettings):
-    """``quant=fp8``: FP8 E4M3 weights (per output channel) and activations (per tensor, static)."""
-
-    _target_: str = "passes.fp8.Fp8Recipe"
-    # Activation observer: minmax | percentile | mse | entropy (calibration/observers.py). On the
-    # default model (GPL-3 text, 8 x 512 tokens; fp32 perplexity 24.93) minmax gives the least KL
-    # and the best top-1 agreement (perplexity +2.5%, KL 0.040, top-1 88.9%); mse and entropy are
-    # within noise (+2.5% / +2.2%, KL 0.041 / 0.044); percentile=99.99 clips the model's massive
-    # activations (|x| up to 3300 at the layer-11 down_proj input) and breaks it (+266%).
-    observer: Observer = Observer.minmax
-    # Percentile of |x| kept by observer=percentile.
-    percentile: float = 99.99
-    # Per-output-channel weight observer: minmax (amax/448) | percentile | mse.
-    weight_observer: WeightObserver = WeightObserver.minmax
-    # false: FP8 weights only (no activation Q/DQ, no calibration run).
-    activations: bool = True
-    # fnmatch patterns over linear module names (graph metadata `linear_weights`) kept in fp32.
-    # lm_head is excluded by default, as in ModelOpt's FP8 config.
-    exclude: list[str] = field(default_factory=lambda: ["lm_head"])
-    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
-    # Histogram bins per activation tensor (grown as needed) for percentile/mse/entropy.
-    num_bins: int = DEFAULT_BINS
-    # The pass fails when the quantized graph's greedy token differs from the input graph's on
-    # more positions of a fixed prompt: a guard against broken graphs, not a quality gate.
-    min_top1_agreement: float = 0.5
-
-    def __post_init__(self) -> None:  # Hydra's instantiate hands nested configs over as dicts
-        self.calibration = as_calibration(self.calibration)
-
-
-register_pass("quant", "fp8", Fp8Config)
 
 
 def check_opset(source: Artifact, minimum: int = MIN_OPSET, who: str = "quant=fp8") -> None:
@@ -244,7 +208,7 @@ class CalibratePass(CalibratesInRanks, Pass):
         import torch
 
         from calibration.observers import collect_stats, reduce_stats
-        from pipeline.distributed import max_processes
+        from pipeline.core.distributed import max_processes
 
         num_bins = self.config.num_bins
         if group.world == 1:
@@ -403,7 +367,7 @@ class Fp8QdqPass(Pass):
 def quantize_graph(
     model: Any, matmuls: dict[str, Any], quantized: list[str], act_amax: dict[str, float], config: Any
 ) -> dict[str, int]:
-    """Rewrite ``model`` (an ``onnx_ir.Model``, weights left on disk: ``pipeline.graph_io``) in
+    """Rewrite ``model`` (an ``onnx_ir.Model``, weights left on disk: ``pipeline.core.graph_io``) in
     place: FP8 weights + DQ, and Q/DQ on the activations in ``act_amax``. ``matmuls``: module ->
     its MatMul node (``linear_matmuls``). Each fp32 weight is read only while it is quantized."""
     import onnx_ir as ir
@@ -516,26 +480,3 @@ def verify_qdq(model: Any, metadata: dict[str, Any]) -> list[str]:
             if q is None or q.op_type != "QuantizeLinear":
                 problems.append(f"{node.name}: activation input has no QuantizeLinear/DequantizeLinear pair")
     return problems
-
-
-class Fp8Recipe(Recipe):
-    """``quant=fp8``: [calibrate-activations,] fp8-qdq, both graph -> graph."""
-
-    Config = Fp8Config
-    name = "fp8"
-
-    def passes(self) -> list[Pass]:
-        config = self.config
-        qdq = Fp8QdqPass(
-            observer=Observer(config.observer),
-            percentile=config.percentile,
-            weight_observer=WeightObserver(config.weight_observer),
-            activations=config.activations,
-            exclude=list(config.exclude),
-            min_top1_agreement=config.min_top1_agreement,
-        )
-        scan = sensitivity_pass(config, weight=WeightFormat.fp8, activations=config.activations)
-        steps: list[Pass] = [scan] if scan else []
-        if config.activations:
-            steps.append(CalibratePass(calibration=config.calibration, num_bins=config.num_bins))
-        return [*steps, qdq]

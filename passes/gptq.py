@@ -28,23 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from passes.int4 import (
-    LM_HEAD,
-    MAXQ,
-    Int4Recipe,
-    Int4RecipeConfig,
-    LayerInputs,
-    QuantizedLinear,
-    TorchInt4Config,
-    TorchInt4Pass,
-    check_finite,
-    group_params,
-    input_hooks,
-    run_layer,
-)
-from pipeline.config import register_pass
-from pipeline.distributed import Group
-from pipeline.errors import CalibrationError, ConfigError
+from passes.formats.int4 import MAXQ, QuantizedLinear, group_params
+from passes.int4 import LayerInputs, TorchInt4Config, TorchInt4Pass, check_finite, input_hooks, run_layer
+from pipeline.core.distributed import Group
+from pipeline.core.errors import CalibrationError, ConfigError
+from pipeline.core.torch_model import LM_HEAD
 
 log = logging.getLogger(__name__)
 
@@ -63,18 +51,6 @@ class GptqConfig(TorchInt4Config):
         super().__post_init__()
         if not 0 <= self.damp_percent <= 1:
             raise ConfigError(f"quant.damp_percent={self.damp_percent}: must be between 0 and 1")
-
-
-@dataclass
-class Int4GptqConfig(Int4RecipeConfig):
-    """``quant=int4_gptq``: GPTQ in torch, lowered to MatMulNBits (or block-wise Q/DQ) in the graph."""
-
-    _target_: str = "passes.gptq.Int4GptqRecipe"
-    damp_percent: float = 0.01
-    act_order: bool = True
-
-
-register_pass("quant", "int4_gptq", Int4GptqConfig)
 
 
 def gptq_quantize(
@@ -278,9 +254,3 @@ class GptqPass(TorchInt4Pass):
         )
         module.weight.data.copy_(quantized.dequantize())
         return quantized
-
-
-class Int4GptqRecipe(Int4Recipe):
-    Config = Int4GptqConfig
-    name = "int4_gptq"
-    torch_pass = GptqPass

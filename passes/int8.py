@@ -42,7 +42,7 @@ cannot be smoothed in torch. Weight-only INT8 on those two costs no decode speed
 read one byte per weight) and gives 25.30 / 0.012 / 93.2% (alpha 0.8). ``quant.weight_only=[]``
 selects pure W8A8.
 
-The graph is read and written through ``pipeline/graph_io.py`` (onnx-ir, weights memory-mapped: an
+The graph is read and written through ``pipeline/core/graph_io.py`` (onnx-ir, weights memory-mapped: an
 fp32 weight is read only while its INT8 codes are made); every other file of the input folder
 (tokenizer, ``extras/``) is hard-linked; the artifact metadata gains ``quantization``. ``ensures``
 compares the graph with its input by prefill and decode steps (``graph_io.compare_graphs``).
@@ -61,27 +61,22 @@ from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, as_calibration
 from passes.selection import check_patterns, matches, select_modules
-from passes.sensitivity import FallbackSettings, WeightFormat, sensitivity_pass
 from passes.smoothquant import (
-    SmoothQuantPass,
     read_activations,
-    validate,
 )
-from pipeline.artifacts import Artifact, Kind, write_metadata
-from pipeline.base import Pass, Recipe
-from pipeline.config import register_pass
-from pipeline.errors import CalibrationError, PassError
-from pipeline.graph_io import (
+from pipeline.core.artifacts import Artifact, Kind, write_metadata
+from pipeline.core.base import Pass
+from pipeline.core.errors import CalibrationError, PassError
+from pipeline.core.graph_io import (
     MODEL_FILE,
     check_data_files,
-    compare_graphs,
     link_folder_files,
     load_graph,
     new_initializer,
     save_graph,
 )
+from pipeline.runtime.parity import compare_graphs
 
 log = logging.getLogger(__name__)
 
@@ -105,71 +100,6 @@ class Int8QDQConfig:
     weight_only: list[str] = field(default_factory=lambda: list(DEFAULT_WEIGHT_ONLY))
     # ensures: ONNX Runtime must lower every quantized MatMul to an integer kernel.
     check_lowering: bool = True
-
-
-@dataclass
-class Int8Config(FallbackSettings):
-    """``quant=int8``: SmoothQuant W8A8 (per-channel INT8 weights, static per-tensor INT8
-    activations; INT8 weight-only on ``weight_only`` layers). Keys as users type them:
-    quant.alpha=0.7 quant.calibration.num_samples=128 quant.exclude=[lm_head] quant.weight_only=[]."""
-
-    _target_: str = "passes.int8.Int8Recipe"
-    # SmoothQuant migration strength in [0, 1] (see passes/smoothquant.py). The paper's default is
-    # 0.5; on SmolLM2-135M 0.8 measured best (KL vs fp32 0.0119; 0.65: 0.0156; 0.5 in a torch
-    # simulation: 0.028).
-    alpha: float = 0.8
-    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
-    # fnmatch patterns over module names (model.layers.3.mlp.down_proj, lm_head) kept in fp32.
-    exclude: list[str] = field(default_factory=list)
-    # Patterns of layers quantized to INT8 weights only, activations fp32 (ORT: MatMulNBits,
-    # bits=8). [] gives pure W8A8 everywhere. Default: down_proj (per-token activation outliers
-    # that no per-channel smoothing moves) and lm_head (tied to the embedding: not smoothable in
-    # torch); see the module docstring for the measurements.
-    weight_only: list[str] = field(default_factory=lambda: list(DEFAULT_WEIGHT_ONLY))
-    # false: no smoothing (plain static W8A8 with the same ranges: the naive baseline).
-    smooth: bool = True
-    # Smooth o_proj (into v_proj rows) and down_proj (into up_proj rows); a weight-only or
-    # excluded layer is never smoothed.
-    smooth_o_proj: bool = True
-    smooth_down_proj: bool = True
-    # Calibration windows per forward.
-    batch_size: int = 8
-    # ensures: ONNX Runtime must lower every quantized MatMul to an integer kernel.
-    check_lowering: bool = True
-
-    def __post_init__(self) -> None:
-        self.calibration = as_calibration(self.calibration)
-
-
-register_pass("quant", "int8", Int8Config)
-
-
-class Int8Recipe(Recipe):
-    Config = Int8Config
-    name = "int8"
-
-    def passes(self) -> list[Pass]:
-        c = self.config
-        validate(c)
-        scan = sensitivity_pass(
-            c, weight=WeightFormat.int8, activations=True, weight_only=list(c.weight_only)
-        )
-        return [
-            SmoothQuantPass(
-                alpha=c.alpha,
-                calibration=c.calibration,
-                exclude=list(c.exclude),
-                weight_only=list(c.weight_only),
-                smooth=c.smooth,
-                smooth_o_proj=c.smooth_o_proj,
-                smooth_down_proj=c.smooth_down_proj,
-                batch_size=c.batch_size,
-            ),
-            *([scan] if scan else []),
-            Int8QDQPass(
-                exclude=list(c.exclude), weight_only=list(c.weight_only), check_lowering=c.check_lowering
-            ),
-        ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,7 +131,7 @@ def insert_qdq(
     modules: list[str],
     weight_only: frozenset[str] = frozenset(),
 ) -> int:
-    """Rewrite ``model`` (an ``onnx_ir.Model``, weights left on disk: ``pipeline.graph_io``) in
+    """Rewrite ``model`` (an ``onnx_ir.Model``, weights left on disk: ``pipeline.core.graph_io``) in
     place: a weight DequantizeLinear on the MatMul of each module in ``modules`` and, unless the
     module is in ``weight_only``, a QuantizeLinear/DequantizeLinear pair on its activation input.
     Each fp32 weight is read (memory-mapped) only while its INT8 codes are made. Returns the
@@ -388,4 +318,4 @@ class Int8QDQPass(Pass):
         return {"vs_input": vs_input, "ort_kernels": found, "dequantize_left": kernels["DequantizeLinear"]}
 
 
-__all__ = ["Int8Config", "Int8QDQConfig", "Int8QDQPass", "Int8Recipe"]
+__all__ = ["Int8QDQConfig", "Int8QDQPass"]

@@ -29,7 +29,7 @@
 The pass changes no node: it records the layout in the graph's metadata, which the fusion pass,
 the build (``engine.json`` ``io.kv_layout``, ``genai_config.json``
 ``past_present_share_buffer``) and the runtime follow. The folder's files are hard-linked, not
-copied (``pipeline/graph_io.py``: its loader accepts external data with several links).
+copied (``pipeline/core/graph_io.py``: its loader accepts external data with several links).
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ import numpy as np
 
 from calibration.datasets import CalibrationConfig, as_calibration, recorded, token_windows
 from passes.fp8 import calibration_feeds
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
-from pipeline.base import Pass
-from pipeline.config import register_pass
-from pipeline.errors import PassError
-from pipeline.graph_io import check_data_files, link_graph_folder
+from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
+from pipeline.core.base import Pass
+from pipeline.core.config import register_pass
+from pipeline.core.errors import PassError
+from pipeline.core.graph_io import check_data_files, link_graph_folder
 
 
 class Layout(enum.StrEnum):
@@ -184,8 +184,9 @@ def calibrate_amax(folder: Path, calibration: CalibrationConfig) -> tuple[dict[s
     ``present.*`` outputs over prefills of the calibration windows, and the tokens seen."""
     from tqdm import tqdm
 
-    from pipeline.runtime.ort import OrtModel, graph_io
-    from pipeline.torch_model import load_tokenizer
+    from pipeline.core.engine import graph_io
+    from pipeline.core.torch_model import load_tokenizer
+    from pipeline.runtime.ort import OrtModel
 
     io = graph_io(folder)
     if io.kv_dtype != "float32":

@@ -13,7 +13,7 @@ recipe's torch stage did not run. Specs: ONNX Runtime contrib op ``MatMulNBits``
 low nibble first; checked against ``onnxruntime.quantization``'s packing in the tests); ONNX
 ``DequantizeLinear``-21 blocked quantization.
 
-The graph is read and written through ``pipeline/graph_io.py`` (onnx-ir: each fp32 weight is
+The graph is read and written through ``pipeline/core/graph_io.py`` (onnx-ir: each fp32 weight is
 memory-mapped and read only while it is lowered; unchanged data files hard-linked).
 
 ``ensures``: the lowered graph against its input graph on a fixed prompt and decode steps
@@ -32,34 +32,30 @@ from typing import Any
 
 import numpy as np
 
-from passes.int4 import (
+from passes.formats.int4 import (
     BITS,
-    EXTRAS_DIR,
     INT4_DIR,
-    Int4LoweringSettings,
-    Int4Settings,
-    Lowering,
     QuantizedLinear,
     check_group_size,
     load_params,
     matmulnbits_tensors,
     qdq_tensors,
     quantize_rtn,
-    validate_settings,
 )
+from passes.int4 import EXTRAS_DIR, Int4LoweringSettings, Int4Settings, Lowering, validate_settings
 from passes.selection import select_modules
-from pipeline.artifacts import Artifact, Kind, read_metadata, write_metadata
-from pipeline.base import Pass
-from pipeline.errors import PassError
-from pipeline.graph_io import (
+from pipeline.core.artifacts import Artifact, Kind, read_metadata, write_metadata
+from pipeline.core.base import Pass
+from pipeline.core.errors import PassError
+from pipeline.core.graph_io import (
     DATA_FILE,
     MODEL_FILE,
     check_data_files,
-    compare_graphs,
     link_folder_files,
     load_graph,
     save_graph,
 )
+from pipeline.runtime.parity import compare_graphs
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +79,7 @@ class Int4LoweringPass(Pass):
     Config = Int4LoweringConfig
     name = "int4_lowering"
     drift = "bits4"
-    version = 2  # 2: onnx-ir with lazy weights (pipeline.graph_io); unchanged data files linked
+    version = 2  # 2: onnx-ir with lazy weights (pipeline.core.graph_io); unchanged data files linked
     memory_profile = "graph"  # weights memory-mapped; one fp32 weight read at a time
     consumes = Kind.GRAPH
     produces = Kind.GRAPH

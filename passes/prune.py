@@ -44,10 +44,10 @@ from typing import Any
 import numpy as np
 
 from calibration.datasets import CalibrationConfig, as_calibration, token_windows
-from pipeline.artifacts import Artifact, Kind, write_metadata
-from pipeline.base import Pass
-from pipeline.config import register_pass
-from pipeline.errors import PassError
+from pipeline.core.artifacts import Artifact, Kind, write_metadata
+from pipeline.core.base import Pass
+from pipeline.core.config import register_pass
+from pipeline.core.errors import PassError
 
 log = logging.getLogger(__name__)
 
@@ -368,7 +368,7 @@ class PrunePass(Pass):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         from calibration.streaming import StreamedCheckpoint
-        from pipeline.torch_model import copy_beside_weights, load_tokenizer
+        from pipeline.core.torch_model import copy_beside_weights, load_tokenizer
 
         config = self.config
         validate(config)
@@ -452,7 +452,7 @@ class PrunePass(Pass):
 
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
         """The pruned checkpoint reloads offline with the recorded sizes and a tied head stays tied."""
-        from pipeline.torch_model import load_causal_lm
+        from pipeline.core.torch_model import load_causal_lm
 
         model = load_causal_lm(result.path)
         after = result.metadata["prune"]["shape_after"]

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -49,10 +49,10 @@ from typing import Any
 from calibration.datasets import CalibrationConfig, as_calibration
 from calibration.sensitivity import FallbackResult, LayerQuantizer, SensitivityProbe
 from passes.selection import FALLBACK_FILE, select_modules
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, link_tree, write_json, write_metadata
-from pipeline.base import Pass
-from pipeline.errors import CalibrationError, ConfigError
-from pipeline.memory import ModelShapes
+from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, link_tree, write_json, write_metadata
+from pipeline.core.base import Pass
+from pipeline.core.errors import CalibrationError, ConfigError
+from pipeline.core.memory import ModelShapes
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ def torch_fake_quant(fmt: Any, x: Any, amax: Any) -> Any:
 def layer_quantizer(config: SensitivityPassConfig, weight_only: bool, input_absmax: float) -> LayerQuantizer:
     """Weight (and activation) fake quantization of one layer in ``config``'s format."""
     from calibration.observers import FP8_E4M3, INT8
-    from passes.int4 import fake_quantize_rtn
+    from passes.formats.int4 import fake_quantize_rtn
 
     if config.weight == WeightFormat.int4:
         return LayerQuantizer(lambda w: fake_quantize_rtn(w, config.group_size, config.symmetric))
@@ -248,7 +248,7 @@ class SensitivityPass(Pass):
         estimate of 15.74 (15.82 before the probe quantized in chunks, when the generic estimate
         said 12.64)."""
         from calibration.sensitivity import FISHER_CHUNK_ELEMENTS
-        from pipeline.memory import CALIBRATION_BATCH, generic_estimate
+        from pipeline.core.memory import CALIBRATION_BATCH, generic_estimate
 
         sensitivity = self.config.sensitivity
         tokens = min(sensitivity.num_samples, CALIBRATION_BATCH) * sensitivity.seq_len
@@ -265,7 +265,8 @@ class SensitivityPass(Pass):
         return generic_estimate(self, shapes).host_bytes + added
 
     def requires(self, source: Artifact) -> None:
-        from passes.int4 import check_group_size, linear_layers, meta_model
+        from passes.formats.int4 import check_group_size
+        from pipeline.core.torch_model import linear_layers, meta_model
 
         layers = linear_layers(meta_model(source.path))  # shapes only: fails before any weight is read
         selected = select_modules(layers, self.config.exclude)
@@ -281,9 +282,8 @@ class SensitivityPass(Pass):
         then need not hold; ``benchmarks/sensitivity.py`` scans the unsmoothed checkpoint so)."""
         from calibration.datasets import token_windows
         from calibration.streaming import StreamedCheckpoint
-        from passes.int4 import LM_HEAD, linear_layers, untie_lm_head
         from passes.selection import matches
-        from pipeline.torch_model import load_tokenizer
+        from pipeline.core.torch_model import LM_HEAD, linear_layers, load_tokenizer, untie_lm_head
 
         config = self.config
         windows_config = CalibrationConfig(

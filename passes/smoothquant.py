@@ -60,11 +60,11 @@ import numpy as np
 from calibration.datasets import CalibrationConfig, as_calibration, recorded, shard, token_windows
 from calibration.streaming import ForwardTime
 from passes.selection import check_patterns, matches
-from pipeline.artifacts import Artifact, Kind, write_json, write_metadata
-from pipeline.base import Pass
-from pipeline.distributed import CalibratesInRanks, Group
-from pipeline.errors import CalibrationError, PassError
-from pipeline.placement import CPU_FLOAT32, ResolvedPlacement
+from pipeline.core.artifacts import Artifact, Kind, write_json, write_metadata
+from pipeline.core.base import Pass
+from pipeline.core.distributed import CalibratesInRanks, Group
+from pipeline.core.errors import CalibrationError, PassError
+from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 
 log = logging.getLogger(__name__)
 
@@ -477,7 +477,7 @@ def smooth_streamed(
             smoothed = _block_output(layer, smoothed, probe_kwargs)
             if writer:
                 writer.write(master.output_tensors(prefix))
-            master.release(prefix)  # hands the freed memory back to the OS (pipeline/allocator.py)
+            master.release(prefix)  # hands the freed memory back to the OS (pipeline/core/allocator.py)
 
         # lm_head reads the final norm of the last hidden state: no [batch, seq, vocab] logits.
         norm = compute.materialize(FINAL_NORM)
@@ -533,7 +533,7 @@ class SmoothQuantPass(CalibratesInRanks, Pass):
         """The pass in one rank of ``group`` (all of it for one process): rank 0 writes and
         returns the metrics, the others return {}."""
         from calibration.streaming import StreamedCheckpoint
-        from pipeline.torch_model import copy_beside_weights, load_tokenizer
+        from pipeline.core.torch_model import copy_beside_weights, load_tokenizer
 
         config = self.config
         validate(config)

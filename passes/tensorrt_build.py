@@ -8,7 +8,7 @@ it parses the graph our quantization passes wrote with TensorRT's ONNX parser an
 
 Steps (TensorRT Python API, ``tensorrt`` 11.4, checked against the wheel's bindings):
 
-- ``requires``: the CPU lint (:mod:`pipeline.lint`: ops the parser imports, Q/DQ rules, no ONNX
+- ``requires``: the CPU lint (:mod:`pipeline.core.lint`: ops the parser imports, Q/DQ rules, no ONNX
   Runtime contrib ops) passes; ``preflight``: TensorRT >= 11 imports and a CUDA GPU is visible,
   checked before any pass of the recipe runs.
 - ``Builder.create_network(0)`` (always strongly typed), ``OnnxParser.parse_from_file``; a parse
@@ -42,21 +42,22 @@ from typing import Any
 import numpy as np
 from filelock import FileLock
 
-from passes.build import (
+from passes.engine_common import (
     check_fp8_cache_applied,
     engine_max_length,
     gqa_cache_options,
     lint_or_refuse,
     metadata_model_file,
+    profile_shapes,
 )
-from pipeline.artifacts import Artifact, Kind, read_metadata, write_json, write_metadata
-from pipeline.base import Pass
-from pipeline.config import register_pass
-from pipeline.errors import PassError
-from pipeline.gpu import require_tensorrt, tensorrt_module
-from pipeline.graph_io import link_folder_files
-from pipeline.lint import table_disagreements
-from pipeline.runtime.ort import ENGINE_FILE
+from pipeline.core.artifacts import Artifact, Kind, read_metadata, write_json, write_metadata
+from pipeline.core.base import Pass
+from pipeline.core.config import register_pass
+from pipeline.core.engine import ENGINE_FILE
+from pipeline.core.errors import PassError
+from pipeline.core.gpu import require_tensorrt, tensorrt_module
+from pipeline.core.graph_io import link_folder_files
+from pipeline.core.lint import table_disagreements
 
 log = logging.getLogger(__name__)
 
@@ -102,56 +103,6 @@ class TensorRtTargetConfig:
 register_pass("target", "tensorrt", TensorRtTargetConfig)
 
 
-def profile_shapes(
-    io: dict[str, Any],
-    max_batch: int,
-    max_input_length: int,
-    max_length: int,
-    decode_tokens: int | None = None,
-) -> dict[str, dict[str, tuple[list[int], list[int], list[int]]]]:
-    """Optimization profiles: name -> input -> (min, opt, max) shape.
-
-    Without ``decode_tokens`` one profile (``all``) covers every shape; with it, ``prefill``
-    takes 1..``max_input_length`` new tokens and ``decode`` 1..``decode_tokens`` (opt 1, with
-    a half-full cache). Every profile takes 0..``max_length - 1`` cached positions.
-    """
-    if not 1 <= max_input_length <= max_length:
-        raise PassError(
-            f"build: max_input_length={max_input_length} must be between 1 and max_length={max_length}"
-        )
-    if max_batch < 1:
-        raise PassError(f"build: max_batch={max_batch} must be at least 1")
-    heads, dim = int(io["num_kv_heads"]), int(io["head_dim"])
-    batch = (1, 1, max_batch)
-
-    def profile(new: tuple[int, int, int], past: tuple[int, int, int]) -> dict[str, Any]:
-        total = tuple(min(n + p, max_length) for n, p in zip(new, past, strict=True))
-        shapes = {
-            "input_ids": [[b, n] for b, n in zip(batch, new, strict=True)],
-            "attention_mask": [[b, t] for b, t in zip(batch, total, strict=True)],
-        }
-        if io.get("has_position_ids", True):
-            shapes["position_ids"] = shapes["input_ids"]
-        for layer in range(int(io["num_layers"])):
-            for kind in ("key", "value"):
-                shapes[f"past_key_values.{layer}.{kind}"] = [
-                    [b, heads, p, dim] for b, p in zip(batch, past, strict=True)
-                ]
-        return {name: tuple(dims) for name, dims in shapes.items()}
-
-    longest_past = max_length - 1
-    if decode_tokens is None:
-        return {"all": profile((1, min(512, max_input_length), max_input_length), (0, 0, longest_past))}
-    if not 1 <= decode_tokens <= max_input_length:
-        raise PassError(
-            f"build: decode_tokens={decode_tokens} must be between 1 and max_input_length={max_input_length}"
-        )
-    return {
-        "prefill": profile((1, min(512, max_input_length), max_input_length), (0, 0, longest_past)),
-        "decode": profile((1, 1, decode_tokens), (0, max_length // 2, longest_past)),
-    }
-
-
 def timing_cache_file(folder: str, trt_version: str, gpu: dict[str, Any]) -> Path | None:
     """The timing cache of this TensorRT version on this GPU (None: keep no timing cache)."""
     if not folder:
@@ -171,7 +122,7 @@ def parser_errors(parser: Any) -> list[str]:
 
 class TensorRtBuildPass(Pass):
     Config = TensorRtTargetConfig
-    name = "build"
+    name = "tensorrt_build"
     version = 2  # 2: the tokenizer and config files hard-linked, not copied
     consumes = Kind.GRAPH
     produces = Kind.ENGINE
@@ -208,8 +159,9 @@ class TensorRtBuildPass(Pass):
         check_fp8_cache_applied(source)
         if kv.get("dtype") == "fp8" and kv.get("fp8_scale", "head") != "tensor":
             raise PassError(
-                "build: kv_cache.fp8_scale=head puts a per-head scale on the cache, an activation; TensorRT "
-                "quantizes activations per tensor (pipeline.lint flags it): set kv_cache.fp8_scale=tensor"
+                "build: kv_cache.fp8_scale=head puts a per-head scale on the cache, an activation; "
+                "TensorRT quantizes activations per tensor (python -m pipeline.lint flags it): "
+                "set kv_cache.fp8_scale=tensor"
             )
         lint_or_refuse(source.path / metadata_model_file(source), self.config.name)
 
@@ -240,7 +192,7 @@ class TensorRtBuildPass(Pass):
         lint_table_disagreements = table_disagreements(parser.supports_operator)
         if any(lint_table_disagreements.values()):
             log.warning(
-                "build: pipeline/data/onnx_tensorrt_ops.json disagrees with TensorRT %s's parser: %s",
+                "build: pipeline/core/data/onnx_tensorrt_ops.json disagrees with TensorRT %s's parser: %s",
                 version,
                 lint_table_disagreements,
             )

@@ -8,7 +8,7 @@ permission denied) prints ``error: cannot write <path>: <reason>`` and exits wit
 FAIL of the eval gate exits with code 3 and an INCONCLUSIVE with code 4 (after the summary),
 and neither publishes anything; a PASS is published to the registry (``registry=local``, the
 default; ``pipeline/publish.py``); Ctrl-C exits with 130 and SIGTERM with 143
-(``pipeline/signals.py``), leaving no partial output (every write is staged and renamed).
+(``pipeline/core/signals.py``), leaving no partial output (every write is staged and renamed).
 In a multirun (``-m``, the nightly matrix) each job records its exit code in its folder instead
 of exiting, so one failing recipe does not stop the others; the sweep then exits with the worst
 code (``pipeline/nightly.py``).
@@ -56,9 +56,9 @@ from pipeline.config import (
     register_pipeline_schemas,
     validate_config,
 )
-from pipeline.errors import ConfigError, PipelineError, describe_os_error, first_line, one_line
-from pipeline.plugins import discover_passes
-from pipeline.signals import Terminated, exit_code, interrupt_on_sigterm
+from pipeline.core.errors import ConfigError, PipelineError, describe_os_error, first_line, one_line
+from pipeline.core.plugins import discover_passes
+from pipeline.core.signals import Terminated, exit_code, interrupt_on_sigterm
 
 log = logging.getLogger("pipeline")
 

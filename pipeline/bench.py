@@ -37,11 +37,11 @@ import numpy as np
 import psutil
 from tqdm.auto import tqdm
 
-from pipeline.artifacts import write_json
-from pipeline.cache import library_versions, load_record, write_record
 from pipeline.config import BenchConfig, ServingBenchConfig
-from pipeline.errors import ConfigError, EngineError, PipelineError, describe_os_error, one_line
-from pipeline.signals import exit_code, interrupt_on_sigterm
+from pipeline.core.artifacts import write_json
+from pipeline.core.cache import library_versions, load_record, write_record
+from pipeline.core.errors import ConfigError, EngineError, PipelineError, describe_os_error, one_line
+from pipeline.core.signals import exit_code, interrupt_on_sigterm
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def benchmark_in_subprocess(
     ]
     start = time.perf_counter()
     try:
-        # Ctrl-C or SIGTERM here (KeyboardInterrupt, pipeline/signals.py): subprocess.run kills the
+        # Ctrl-C or SIGTERM here (KeyboardInterrupt, pipeline/core/signals.py): subprocess.run kills the
         # child and waits for it before the interrupt goes on; if this process is killed outright,
         # the child ends itself (--parent-pid: the kernel's parent-death signal).
         result = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=config.timeout_s)

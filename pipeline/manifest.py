@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import __version__
-from pipeline.artifacts import Artifact, file_digests
 from pipeline.bench import host_info
-from pipeline.cache import installed_versions, library_versions
-from pipeline.manager import PassRecord
-from pipeline.staging import write_json_staged
+from pipeline.core.artifacts import Artifact, file_digests
+from pipeline.core.cache import installed_versions, library_versions
+from pipeline.core.manager import PassRecord
+from pipeline.core.staging import write_json_staged
 
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "manifest.json"

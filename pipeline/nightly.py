@@ -21,8 +21,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline.artifacts import write_json
-from pipeline.errors import one_line
+from pipeline.core.artifacts import write_json
+from pipeline.core.errors import one_line
 
 NIGHTLY_CHANNEL = "nightly"
 JOB_STATUS = "job_status.json"

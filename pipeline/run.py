@@ -23,20 +23,20 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline.artifacts import Artifact, Kind, link_tree
-from pipeline.base import Pass
 from pipeline.bench import measure
-from pipeline.cache import Cache, library_versions
 from pipeline.config import DRIFT_FAMILIES, BenchConfig, EvalConfig, ModelConfig, QualityConfig
+from pipeline.core.artifacts import Artifact, Kind, link_tree
+from pipeline.core.base import Pass
+from pipeline.core.cache import Cache, library_versions
+from pipeline.core.manager import PassManager, validate
+from pipeline.core.memory import preflight
+from pipeline.core.plugins import build_passes
+from pipeline.core.staging import owned_folder, remove_abandoned, storage_error, unique_name
 from pipeline.gate import calibration_length
-from pipeline.manager import PassManager, validate
 from pipeline.manifest import MANIFEST_FILE, build_manifest, write_manifest
-from pipeline.memory import preflight
-from pipeline.plugins import build_passes
 from pipeline.serving_bench import plot_serving
 from pipeline.sources import resolve_source
 from pipeline.speculative import attach_draft, build_draft, draft_passes, draft_summary, speculative_config
-from pipeline.staging import owned_folder, remove_abandoned, storage_error, unique_name
 
 log = logging.getLogger(__name__)
 

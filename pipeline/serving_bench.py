@@ -32,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pipeline.config import ServingBenchConfig
-from pipeline.errors import EngineError
+from pipeline.core.errors import EngineError
 
 
 def make_trace(config: ServingBenchConfig, vocab: int, max_length: int) -> list[tuple[list[int], int]]:

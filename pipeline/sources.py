@@ -11,7 +11,7 @@
 Only safetensors are ever loaded (no pickle) and ``trust_remote_code`` is never set; a source
 whose ``config.json`` or ``tokenizer_config.json`` asks for checkpoint code (``auto_map``,
 ``trust_remote_code``) is refused, so such keys never travel into an engine. The conversion and
-download stage in folders owned by a lock (``pipeline/staging.py``): an interrupted run removes
+download stage in folders owned by a lock (``pipeline/core/staging.py``): an interrupted run removes
 its own, and the next run removes those a killed one left.
 """
 
@@ -31,10 +31,10 @@ from typing import Any
 from filelock import FileLock
 from tqdm.auto import tqdm
 
-from pipeline.artifacts import Artifact, Kind, sha256_file, write_json, write_metadata
 from pipeline.config import ModelConfig
-from pipeline.errors import SourceError, first_line
-from pipeline.staging import owned_folder, remove_abandoned, unique_name
+from pipeline.core.artifacts import Artifact, Kind, sha256_file, write_json, write_metadata
+from pipeline.core.errors import SourceError, first_line
+from pipeline.core.staging import owned_folder, remove_abandoned, unique_name
 
 log = logging.getLogger(__name__)
 

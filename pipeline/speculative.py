@@ -19,15 +19,16 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline.artifacts import Artifact, Kind, link_tree
-from pipeline.base import Pass
-from pipeline.cache import Cache, library_versions
 from pipeline.config import SpeculativeConfig
-from pipeline.errors import ConfigError
-from pipeline.manager import PassManager, PassRecord
+from pipeline.core.artifacts import Artifact, Kind, link_tree
+from pipeline.core.base import Pass
+from pipeline.core.cache import Cache, library_versions
+from pipeline.core.engine import ENGINE_FILE
+from pipeline.core.errors import ConfigError
+from pipeline.core.manager import PassManager, PassRecord
+from pipeline.core.plugins import build_passes
 from pipeline.manifest import engine_files
-from pipeline.plugins import build_passes
-from pipeline.runtime.ort import ENGINE_FILE, check_draft_folders
+from pipeline.runtime.ort import check_draft_folders
 
 log = logging.getLogger(__name__)
 

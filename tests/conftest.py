@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifacts import Artifact, Kind
+from pipeline.core.artifacts import Artifact, Kind
 
 TOKENIZER_TEXT = (
     "The quick brown fox jumps over the lazy dog. Once upon a time, there was a small model "
@@ -88,7 +88,7 @@ def tiny_graph(tiny_source: Artifact, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_graph: Artifact, tmp_path_factory: pytest.TempPathFactory) -> Artifact:
-    from passes.build import OrtCpuBuildPass
+    from passes.ort_build import OrtCpuBuildPass
 
     out = tmp_path_factory.mktemp("tiny-engine")
     OrtCpuBuildPass().run(tiny_graph, out)

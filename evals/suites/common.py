@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 
 # Bump when a generator changes what it produces; MANIFEST.json records the version it was
 # frozen with, and the loader refuses a mismatch.

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from evals.tasks import TASKS_DIR
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 
 
 def with_include_path(args: Sequence[str]) -> list[str]:

@@ -23,7 +23,7 @@ rules cannot read from the graph (head counts, positions) come from the checkpoi
 steps fed to both (the decode path is where GroupQueryAttention appends the cache): max |logit
 difference| and top-1 agreement; the pass fails below ``min_top1_agreement``.
 
-The graph is read and written through ``pipeline/graph_io.py``: onnx-ir with the weights memory-
+The graph is read and written through ``pipeline/core/graph_io.py``: onnx-ir with the weights memory-
 mapped (the rewriter and optimizer work on onnx-ir, so no protobuf copy), only rewritten tensors
 (packed QKV / gate-up) in memory, unchanged data files hard-linked. One copy of the weights in
 protobuf remains where ``ensures`` judges an approximate graph (``_exact_copy``: both graphs
@@ -51,22 +51,20 @@ from passes.fusion.kv_cache_dtype import (
     set_cache_dtype,
 )
 from passes.fusion.qdq import duplicate_shared_dequantize
-from pipeline.artifacts import Artifact, Kind, read_metadata, write_metadata
-from pipeline.base import Pass
-from pipeline.config import register_pass
-from pipeline.errors import PassError
-from pipeline.graph_io import (
+from pipeline.core.artifacts import Artifact, Kind, read_metadata, write_metadata
+from pipeline.core.base import Pass
+from pipeline.core.config import register_pass
+from pipeline.core.errors import PassError
+from pipeline.core.graph_io import (
     MODEL_FILE,
-    PARITY_DECODE_STEPS,
-    PARITY_PROMPT_IDS,
     check_data_files,
-    compare_graphs,
     link_folder_files,
     load_graph,
     load_proto,
     save_graph,
 )
-from pipeline.progress import phases
+from pipeline.core.progress import phases
+from pipeline.runtime.parity import PARITY_DECODE_STEPS, PARITY_PROMPT_IDS, compare_graphs
 
 log = logging.getLogger(__name__)
 # onnx-ir logs each node it cannot find a schema for (our contrib ops) at INFO with a stack trace;
@@ -74,7 +72,7 @@ log = logging.getLogger(__name__)
 for _noisy in ("onnx_ir", "onnxscript"):
     logging.getLogger(_noisy).setLevel(logging.WARNING)
 
-# The parity check's prompt and decode steps: pipeline.graph_io.PARITY_PROMPT_IDS / PARITY_DECODE_STEPS.
+# The parity check's prompt and decode steps: pipeline.core.graph_io.PARITY_PROMPT_IDS / PARITY_DECODE_STEPS.
 __all__ = ["PARITY_DECODE_STEPS", "PARITY_PROMPT_IDS", "FusionPass", "ModelFacts"]
 
 
@@ -226,7 +224,7 @@ register_pass("fusion", "fusion", FusionConfig)  # fusion_schema: every target's
 class FusionPass(Pass):
     Config = FusionConfig
     name = "fusion"
-    version = 4  # 4: onnx-ir with lazy weights (pipeline.graph_io); unchanged data files linked
+    version = 4  # 4: onnx-ir with lazy weights (pipeline.core.graph_io); unchanged data files linked
     memory_profile = "graph"  # weights memory-mapped; only rewritten (packed) ones in memory
     consumes = Kind.GRAPH
     produces = Kind.GRAPH

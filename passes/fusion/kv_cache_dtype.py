@@ -40,7 +40,7 @@ import onnx_ir as ir
 
 from calibration.observers import FP8_E4M3
 from passes.fusion.common import add_initializer
-from pipeline.errors import PassError
+from pipeline.core.errors import PassError
 
 CACHE_TYPES = {"fp16": ir.DataType.FLOAT16, "int8": ir.DataType.INT8}
 # Our names for the cache dtypes -> the IO spec's numpy names (pipeline/runtime/ort.py).

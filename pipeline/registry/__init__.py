@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.artifacts import sha256_file
+from pipeline.core.artifacts import sha256_file
 from pipeline.registry.local import LocalRegistry
 from pipeline.registry.records import Registry
 from pipeline.registry.refs import CHANNELS, DEFAULT_TARGET, Ref, RegistryError

@@ -28,9 +28,9 @@ from typing import Any, NoReturn
 from rich.console import Console
 from rich.table import Table
 
+from pipeline.core.signals import exit_code, interrupt_on_sigterm
 from pipeline.registry import CHANNELS, DEFAULT_ROOT, Ref, RegistryError, open_registry
 from pipeline.registry.records import Registry, describe
-from pipeline.signals import exit_code, interrupt_on_sigterm
 
 
 def _list(store: Registry, args: argparse.Namespace) -> int:

@@ -49,7 +49,8 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from pipeline.artifacts import sha256_file, write_json
+from pipeline.core.artifacts import sha256_file, write_json
+from pipeline.core.staging import owned_folder, remove_abandoned, unique_name
 from pipeline.registry.records import (
     ENGINE_DIR,
     RECORD_SCHEMA,
@@ -68,7 +69,6 @@ from pipeline.registry.records import (
 )
 from pipeline.registry.refs import CHANNELS as CHANNEL_NAMES
 from pipeline.registry.refs import Ref, RegistryError, RegistryIOError, check_channel
-from pipeline.staging import owned_folder, remove_abandoned, unique_name
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import sha256_file, write_json
+from pipeline.core.artifacts import sha256_file, write_json
 from pipeline.registry.records import (
     ENGINE_DIR,
     MANIFEST_FILE,

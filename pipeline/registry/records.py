@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
-from pipeline.artifacts import sha256_file, write_json
-from pipeline.errors import first_line
+from pipeline.core.artifacts import sha256_file, write_json
+from pipeline.core.errors import first_line
+from pipeline.core.staging import owned_folder, remove_abandoned, unique_name
 from pipeline.registry.refs import Ref, RegistryError, RegistryIOError, check_channel, check_name
-from pipeline.staging import owned_folder, remove_abandoned, unique_name
 
 RECORD_SCHEMA = 1
 MANIFEST_FILE = "manifest.json"  # the run record, in a run folder and in a pulled folder
@@ -129,7 +129,7 @@ def check_engine_layout(engine_dir: Path, files: list[dict[str, Any]], where: st
 
 def check_engine_folder(engine_dir: Path, files: list[dict[str, Any]], where: str) -> dict[str, str]:
     """:func:`check_engine_layout`, then every file hashed against the manifest. Returns the
-    sha256 of each file by path (what :func:`pipeline.artifacts.folder_digest` is made of)."""
+    sha256 of each file by path (what :func:`pipeline.core.artifacts.folder_digest` is made of)."""
     check_engine_layout(engine_dir, files, where)
     digests: dict[str, str] = {}
     for entry in files:
@@ -369,7 +369,7 @@ def check_tensorrt(record: dict[str, Any], tensorrt_version: str | None, gpu_arc
 
 @contextmanager
 def pulled_folder(to: Path | str, record: dict[str, Any]) -> Iterator[Path]:
-    """A staging folder beside ``to`` (owned through a lock, ``pipeline/staging.py``) for a
+    """A staging folder beside ``to`` (owned through a lock, ``pipeline/core/staging.py``) for a
     backend to fill with ``engine/``; on success the pulled ``manifest.json`` is added and it
     becomes ``to`` in one rename, else it is removed (on an error, Ctrl-C or SIGTERM; what a
     SIGKILL leaves is removed by the next pull into the same folder)."""

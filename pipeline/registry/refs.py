@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 CHANNELS = ("nightly", "candidate", "stable")

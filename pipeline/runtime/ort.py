@@ -18,60 +18,19 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from pipeline.artifacts import read_metadata
-from pipeline.errors import ConfigError, EngineError, first_line
-from pipeline.gpu import require_ort_provider
+from pipeline.core.engine import ENGINE_FILE, KV_NUMPY_DTYPES, KV_ONNX_ELEMENT_TYPES, IOSpec
+from pipeline.core.errors import ConfigError, EngineError, first_line
+from pipeline.core.gpu import require_ort_provider
+from pipeline.core.graph_io import graph_ops
 from pipeline.runtime.generate import GenerationConfig, GenerationResult, generate
 from pipeline.runtime.serving import Completion, Request, ServingLimits, serve
 from pipeline.runtime.speculative import DraftStats, speculative_generate
 
-ENGINE_FILE = "engine.json"
 SUPPORTED_TARGETS = ("ort-cpu", "ort-cuda", "ort-trt", "tensorrt")
 GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 # Where ONNX Runtime's TensorRT EP keeps the engines and timing cache it builds on this machine
 # (``{cache}`` in an ort-trt engine's provider options).
 ORT_TRT_CACHE_ENV = "PIPELINE_ORT_TRT_CACHE"
-_NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "float8_e4m3fn": np.uint8}
-# Cache types numpy has no dtype for: held on the host as their raw 8-bit codes (uint8) and
-# handed to ONNX Runtime with the ONNX element type (onnx.TensorProto.FLOAT8E4M3FN = 17).
-_ONNX_ELEMENT_TYPES = {"float8_e4m3fn": 17}
-
-
-@dataclass(frozen=True)
-class IOSpec:
-    """Names and shapes of the decoder's inputs and outputs (ONNX Runtime GenAI convention)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    kv_dtype: str = "float32"
-    has_position_ids: bool = True
-    # False once attention is fused into a kernel that masks causally from sequence lengths only
-    # (GroupQueryAttention): such a graph takes right padding, not left-padded batches.
-    left_padding: bool = True
-    # "concat": present = past + new tokens, a new tensor each step. "shared": one buffer per
-    # layer of the engine's max_length, bound as past and present (updated in place).
-    kv_layout: str = "concat"
-    # Sliding-window attention bound (0: none); the graph enforces it, recorded for consumers.
-    window: int = 0
-    # Positions of a shared buffer that keeps only the window (0: the engine's max_length);
-    # GroupQueryAttention evicts the oldest rows in place, so any length fits.
-    kv_capacity: int = 0
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> IOSpec:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
-
-    def past_names(self) -> list[str]:
-        return [f"past_key_values.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
-
-    def present_names(self) -> list[str]:
-        return [f"present.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
-
-    def kv_itemsize(self) -> int:
-        """Bytes one cached key or value element takes."""
-        return np.dtype(_NP_DTYPES[self.kv_dtype]).itemsize
 
 
 def session_options(threads: int = 0, optimization: str = "all", prepack: bool = True) -> ort.SessionOptions:
@@ -132,13 +91,13 @@ class OrtModel:
             raise EngineError(f"ONNX Runtime cannot load {model_path} ({first_line(exc)})") from None
         self._past_names = io.past_names()
         self._present_names = io.present_names()
-        if io.kv_dtype not in _NP_DTYPES:
+        if io.kv_dtype not in KV_NUMPY_DTYPES:
             raise EngineError(
                 f"{model_path}: the engine records a {io.kv_dtype} KV cache; this runtime holds "
-                f"{', '.join(_NP_DTYPES)}: rebuild it"
+                f"{', '.join(KV_NUMPY_DTYPES)}: rebuild it"
             )
-        self._kv_dtype = _NP_DTYPES[io.kv_dtype]
-        self._kv_element_type = _ONNX_ELEMENT_TYPES.get(io.kv_dtype)
+        self._kv_dtype = KV_NUMPY_DTYPES[io.kv_dtype]
+        self._kv_element_type = KV_ONNX_ELEMENT_TYPES.get(io.kv_dtype)
 
     def _cache_value(self, array: np.ndarray) -> ort.OrtValue:
         """An OrtValue of the cache's type from a host array (raw codes for float8)."""
@@ -500,13 +459,6 @@ def _tokenizer_digest(folder: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "absent"
 
 
-def graph_ops(model_file: Path) -> set[str]:
-    """Op types of an ONNX graph (weights not loaded)."""
-    import onnx
-
-    return {node.op_type for node in onnx.load(str(model_file), load_external_data=False).graph.node}
-
-
 def check_kv_layout(io: IOSpec, model_file: Path, where: Path) -> None:
     """Refuse a KV layout the graph cannot run: shared buffers and sliding windows need
     GroupQueryAttention, which updates the buffer in place and bounds the attention span."""
@@ -524,11 +476,3 @@ def check_kv_layout(io: IOSpec, model_file: Path, where: Path) -> None:
             f"{where} records kv_layout '{io.kv_layout}' (window {io.window}) but {model_file.name} has no "
             "GroupQueryAttention: rebuild the engine with fusion=ort"
         )
-
-
-def graph_io(folder: Path) -> IOSpec:
-    """The IO spec recorded in a graph or engine artifact folder."""
-    metadata = read_metadata(folder)
-    if "io" not in metadata:
-        raise EngineError(f"{folder} records no IO spec (artifact.json): re-export it")
-    return IOSpec.from_dict(metadata["io"])

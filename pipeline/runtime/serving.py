@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import EngineError
+from pipeline.core.errors import EngineError
 
 _DONE = object()
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import ConfigError, EngineError
-from pipeline.gpu import GpuInfo
+from pipeline.core.errors import ConfigError, EngineError
+from pipeline.core.gpu import GpuInfo
 
 
 def check_build_match(recorded: dict[str, Any], trt_version: str, gpu: GpuInfo, where: Path) -> None:
@@ -61,7 +61,7 @@ class TrtModel:
     """A TensorRT plan stepped with a KV cache (same interface as ``OrtModel``)."""
 
     def __init__(self, plan_file: Path, io: Any, spec: dict[str, Any]) -> None:
-        from pipeline.gpu import require_tensorrt, tensorrt_module
+        from pipeline.core.gpu import require_tensorrt, tensorrt_module
 
         try:
             version, gpu = require_tensorrt()

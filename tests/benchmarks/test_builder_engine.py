@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifacts import Artifact
+from pipeline.core.artifacts import Artifact
 from pipeline.runtime.generate import GenerationConfig
 from pipeline.runtime.ort import Engine
 

@@ -18,7 +18,7 @@ def gate_power() -> ModuleType:
 
 
 def edited(gate_power: ModuleType, tiny_llama: Path, tmp_path: Path, name: str) -> tuple[object, object]:
-    from pipeline.torch_model import load_causal_lm
+    from pipeline.core.torch_model import load_causal_lm
 
     gate_power.SOURCE = tiny_llama
     args = argparse.Namespace(swap=0, temperature=1.25, noise=0.02)

@@ -10,9 +10,9 @@ from types import ModuleType
 import pytest
 
 from evals.gate import ItemScore, cached_scores
-from pipeline.artifacts import Artifact
-from pipeline.cache import Cache
-from pipeline.manager import PassManager
+from pipeline.core.artifacts import Artifact
+from pipeline.core.cache import Cache
+from pipeline.core.manager import PassManager
 from tests.benchmarks import load_benchmark
 from tests.pipeline.passes_for_tests import make_source, recipe
 

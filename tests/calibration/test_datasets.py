@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from calibration.datasets import DATA_DIR, CalibrationConfig, calibration_text, token_windows
-from pipeline.errors import CalibrationError
+from pipeline.core.errors import CalibrationError
 
 
 @pytest.fixture(scope="module")

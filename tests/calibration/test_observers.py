@@ -22,7 +22,7 @@ from calibration.observers import (
     collect_stats,
     compute_amax,
 )
-from pipeline.errors import CalibrationError
+from pipeline.core.errors import CalibrationError
 
 LABEL = "/model/model/layers.3/mlp/down_proj/MatMul input"
 

@@ -19,8 +19,8 @@ from calibration.sensitivity import (
     fisher_sensitivity,
     layer_sensitivity,
 )
-from passes.int4 import quantize_rtn, untie_lm_head
-from pipeline.torch_model import load_causal_lm
+from passes.formats.int4 import quantize_rtn
+from pipeline.core.torch_model import load_causal_lm, untie_lm_head
 from tests.conftest import make_tiny_llama
 
 WINDOWS = np.random.default_rng(0).integers(3, 320, size=(3, 24)).astype(np.int64)

@@ -20,9 +20,9 @@ from calibration.streaming import (
     StreamedCheckpoint,
 )
 from passes.int4 import first_layer_inputs, run_layer
-from pipeline.errors import SourceError
-from pipeline.placement import ResolvedPlacement
-from pipeline.torch_model import copy_beside_weights, load_causal_lm, load_tokenizer
+from pipeline.core.errors import SourceError
+from pipeline.core.placement import ResolvedPlacement
+from pipeline.core.torch_model import copy_beside_weights, load_causal_lm, load_tokenizer
 from tests.conftest import make_tiny_llama
 
 

@@ -51,7 +51,7 @@ STUBS = {
     ],
     "libnvinfer_plugin": ["initLibNvInferPlugins"],
 }
-# The classes pipeline/runtime/tensorrt.py, passes/tensorrt_build.py and pipeline/lint.py use.
+# The classes pipeline/runtime/tensorrt.py, passes/tensorrt_build.py and pipeline/core/lint.py use.
 CLASSES = (
     "Builder", "DataType", "HardwareCompatibilityLevel", "IBuilderConfig", "ICudaEngine",
     "IExecutionContext", "IHostMemory", "INetworkDefinition", "IOptimizationProfile", "ITimingCache",

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from evals.agreement import compare, held_out_windows
-from passes.build import OrtCpuBuildPass
+from evals.config import QualityConfig
 from passes.export import ExportPass
-from pipeline.artifacts import Artifact, Kind
-from pipeline.config import QualityConfig
-from pipeline.errors import ConfigError, EngineError
+from passes.ort_build import OrtCpuBuildPass
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.errors import ConfigError, EngineError
+from pipeline.core.torch_model import load_causal_lm
 from pipeline.runtime import Engine
-from pipeline.torch_model import load_causal_lm
 from tests.conftest import make_tiny_llama
 
 CONFIG = QualityConfig(window=64, max_tokens=256)

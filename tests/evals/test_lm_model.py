@@ -22,7 +22,7 @@ from lm_eval.tasks import TaskManager
 from evals.lm_model import MODEL_NAME, EngineLM, cut_at_stop
 from evals.suites import item_hash, load_suite
 from evals.tasks import TASKS_DIR, task_path
-from pipeline.errors import EngineError
+from pipeline.core.errors import EngineError
 
 ROOT = Path(__file__).resolve().parents[2]
 CHATML = (

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.artifacts import Kind
-from pipeline.cache import Cache
 from pipeline.config import DEFAULT_MODEL_SHA256, ModelConfig
-from pipeline.manager import PassManager
-from pipeline.plugins import build_passes
+from pipeline.core.artifacts import Kind
+from pipeline.core.cache import Cache
+from pipeline.core.manager import PassManager
+from pipeline.core.plugins import build_passes
+from pipeline.core.torch_model import load_causal_lm
 from pipeline.runtime import Engine, GenerationConfig
 from pipeline.sources import resolve_source
-from pipeline.torch_model import load_causal_lm
 from tests.pipeline.recipe import compose_recipe
 
 pytestmark = pytest.mark.integration

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.cache import Cache
 from pipeline.config import ModelConfig
-from pipeline.manager import PassManager
-from pipeline.plugins import build_passes
+from pipeline.core.cache import Cache
+from pipeline.core.manager import PassManager
+from pipeline.core.plugins import build_passes
 from pipeline.runtime import Engine, GenerationConfig
 from pipeline.sources import resolve_source
 from tests.pipeline.recipe import compose_recipe

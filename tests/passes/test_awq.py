@@ -19,17 +19,11 @@ from passes.awq import (
     search_clip,
     search_scale,
 )
-from passes.int4 import (
-    EXTRAS_DIR,
-    INT4_DIR,
-    first_layer_inputs,
-    load_params,
-    quantize_rtn,
-    untie_lm_head,
-)
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import ConfigError
-from pipeline.torch_model import load_causal_lm, load_tokenizer
+from passes.formats.int4 import INT4_DIR, load_params, quantize_rtn
+from passes.int4 import EXTRAS_DIR, first_layer_inputs
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.errors import ConfigError
+from pipeline.core.torch_model import load_causal_lm, load_tokenizer, untie_lm_head
 from tests.conftest import make_tiny_llama
 
 CALIBRATION = {"num_samples": 8, "seq_len": 64}

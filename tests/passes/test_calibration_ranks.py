@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from passes.awq import AwqPass
+from passes.formats.int4 import INT4_DIR, load_params
 from passes.gptq import GptqPass
-from passes.int4 import EXTRAS_DIR, INT4_DIR, load_params
+from passes.int4 import EXTRAS_DIR
 from passes.smoothquant import SmoothQuantPass, read_activations
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import ConfigError, PassError
-from pipeline.manager import validate
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.errors import ConfigError, PassError
+from pipeline.core.manager import validate
 
 INT4_CALIBRATION = {"num_samples": 16, "seq_len": 64}  # 2 batches of 8 windows: one a process
 TWO_INT4 = {**INT4_CALIBRATION, "num_processes": 2}
@@ -84,7 +85,7 @@ def test_smoothquant_in_two_processes_gives_one_process_scales(tiny_source: Arti
     (up to the last bit of a matmul run on another batch shape)."""
     import torch
 
-    from pipeline.torch_model import load_causal_lm
+    from pipeline.core.torch_model import load_causal_lm
 
     one, _ = run(SmoothQuantPass(**SMOOTH, calibration=SMOOTH_CALIBRATION), tiny_source, tmp_path / "one")
     two_calibration = {**SMOOTH_CALIBRATION, "num_processes": 2}

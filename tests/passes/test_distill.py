@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from passes.distill import DistillPass, kd_loss, learning_rate
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import PassError
-from pipeline.placement import ResolvedPlacement
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.errors import PassError
+from pipeline.core.placement import ResolvedPlacement
 from tests.conftest import make_tiny_llama
 from tests.passes.test_prune import prune
 
@@ -66,7 +66,7 @@ def distill_killed_in_step(step: int, source: Artifact, out: Path, ckpt: Path, *
 def test_one_step_lowers_the_kd_loss_on_a_fixed_batch(pruned: Artifact) -> None:
     import torch
 
-    from pipeline.torch_model import load_causal_lm
+    from pipeline.core.torch_model import load_causal_lm
 
     teacher = load_causal_lm(Path(pruned.metadata["prune"]["teacher"]["path"]))
     student = load_causal_lm(pruned.path).train()
@@ -191,7 +191,7 @@ def test_prune_then_distill_from_the_command_line(tiny_llama: Path, tmp_path: Pa
     result = run_pipeline(tiny_llama, tmp_path, "run", *settings, *kd)
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    assert [p["name"] for p in manifest["passes"]] == ["prune", "distill", "export", "build"]
+    assert [p["name"] for p in manifest["passes"]] == ["prune", "distill", "export", "ort_build"]
     assert manifest["passes"][1]["metrics"]["loss_curve"][-1][0] == 3
     assert not list((tmp_path / "cache" / ".checkpoints").glob("*/*"))  # removed once cached
 
@@ -336,7 +336,8 @@ def test_leftovers_are_removed_and_a_pickle_is_never_loaded(
 
     (checkpoints / "distill_state.pt").write_bytes(pickle.dumps(Touch()))
     script = (
-        "import sys, time; from pathlib import Path; from pipeline.staging import owned_folder, unique_name\n"
+        "import sys, time; from pathlib import Path\n"
+        "from pipeline.core.staging import owned_folder, unique_name\n"
         "with owned_folder(Path(sys.argv[1]) / unique_name('.step-000004')) as f:\n"
         "    (f / 'student.safetensors').write_bytes(b'half')\n"
         "    print('ready', flush=True); time.sleep(60)\n"

@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 from passes.distill import DistillPass
-from pipeline.artifacts import Artifact
-from pipeline.errors import PassError
+from pipeline.core.artifacts import Artifact
+from pipeline.core.errors import PassError
 from tests.passes.test_distill import SMALL, distill, distill_killed_in_step
 from tests.passes.test_prune import prune
 
@@ -87,10 +87,10 @@ def test_one_process_under_accelerate_is_the_inline_run(
 
 
 def rank_process(rank: int) -> psutil.Process | None:
-    """This user's running rank ``rank`` of a ``pipeline.distributed`` launch."""
+    """This user's running rank ``rank`` of a ``pipeline.core.distributed`` launch."""
     for process in psutil.process_iter(["cmdline"]):
         try:
-            if "pipeline.distributed" in (process.info["cmdline"] or []) and (
+            if "pipeline.core.distributed" in (process.info["cmdline"] or []) and (
                 process.environ().get("RANK") == str(rank)
             ):
                 return process
@@ -252,7 +252,7 @@ def pruned_to_one_block(tiny_llama: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 def test_the_memory_preflight_counts_every_rank_on_this_host(student: Artifact) -> None:
-    from pipeline.memory import ModelShapes, generic_estimate
+    from pipeline.core.memory import ModelShapes, generic_estimate
 
     shapes = ModelShapes.from_config(json.loads((student.path / "config.json").read_text()))
     one = generic_estimate(DistillPass(**EXACT), shapes).host_bytes
@@ -263,7 +263,7 @@ def test_the_memory_preflight_counts_every_rank_on_this_host(student: Artifact) 
 
 
 def test_the_execution_knobs_stay_out_of_the_cache_key(student: Artifact) -> None:
-    from pipeline.manager import _key
+    from pipeline.core.manager import _key
 
     inline_key = _key(DistillPass(**EXACT), student.digest)
     assert (

@@ -22,9 +22,9 @@ from passes.export import (
     name_linear_weights,
     placeholder_model,
 )
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import PassError
-from pipeline.graph_io import load_proto
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.errors import PassError
+from pipeline.core.graph_io import load_proto
 from tests.conftest import make_tiny_llama
 
 
@@ -148,7 +148,7 @@ def export_of_the_loaded_model(folder: Path) -> onnx.ModelProto:
     its weights (``export_params=True``), linear weights renamed the same way."""
     import onnx_ir as ir
 
-    from pipeline.torch_model import load_causal_lm
+    from pipeline.core.torch_model import load_causal_lm
 
     model = load_causal_lm(folder, attn_implementation=Attention.eager.value)
     proto, _ = ExportPass()._export(model, export_params=True)

@@ -9,11 +9,11 @@ import onnx
 import pytest
 
 from passes.fp16 import Fp16Pass
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import PassError
-from pipeline.graph_io import load_proto
-from pipeline.lint import lint
-from pipeline.plugins import build_passes
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.errors import PassError
+from pipeline.core.graph_io import load_proto
+from pipeline.core.lint import lint
+from pipeline.core.plugins import build_passes
 from tests.pipeline.recipe import compose_recipe
 
 
@@ -49,7 +49,7 @@ def test_fp16_graph_is_tensorrt_clean(fp16_graph: tuple[Artifact, dict]) -> None
 def test_fp16_engine_generates_like_fp32(
     fp16_graph: tuple[Artifact, dict], tiny_engine: Artifact, tmp_path: Path
 ) -> None:
-    from passes.build import OrtCpuBuildPass
+    from passes.ort_build import OrtCpuBuildPass
     from pipeline.runtime import Engine, GenerationConfig
 
     OrtCpuBuildPass().run(fp16_graph[0], tmp_path)
@@ -60,7 +60,7 @@ def test_fp16_engine_generates_like_fp32(
 
 def test_quant_fp16_composes_and_refuses_a_quantized_graph(fp16_graph: tuple[Artifact, dict]) -> None:
     passes = build_passes(compose_recipe(["quant=fp16"]))
-    assert [p.name for p in passes] == ["export", "fp16", "build"]
+    assert [p.name for p in passes] == ["export", "fp16", "ort_build"]
     with pytest.raises(PassError, match="already quantized"):
         Fp16Pass().requires(fp16_graph[0])
 

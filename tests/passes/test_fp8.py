@@ -18,12 +18,14 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from calibration.datasets import CalibrationConfig, token_windows
-from passes.fp8 import STATS_FILE, CalibratePass, Fp8QdqPass, Fp8Recipe
-from pipeline.artifacts import Artifact, Kind, read_metadata
-from pipeline.errors import PassError
-from pipeline.graph_io import load_proto
+from passes.fp8 import STATS_FILE, CalibratePass, Fp8QdqPass
+from passes.recipes import Fp8Recipe
+from pipeline.core.artifacts import Artifact, Kind, read_metadata
+from pipeline.core.engine import graph_io
+from pipeline.core.errors import PassError
+from pipeline.core.graph_io import load_proto
 from pipeline.runtime import Engine, GenerationConfig
-from pipeline.runtime.ort import OrtModel, graph_io
+from pipeline.runtime.ort import OrtModel
 
 REPO = Path(__file__).resolve().parents[2]
 CALIBRATION = {"num_samples": 4, "seq_len": 32}
@@ -231,18 +233,24 @@ def test_missing_statistics_and_bad_config_raise(tiny_graph: Artifact) -> None:
 
 
 def test_recipe_expands_to_graph_passes() -> None:
-    from pipeline.plugins import build_passes
+    from pipeline.core.plugins import build_passes
     from tests.pipeline.recipe import compose_recipe
 
     scan = "quant.sensitivity.enabled=true"  # for the record: by default only fallback=auto scans
     cfg = compose_recipe(["quant=fp8", "quant.calibration.num_samples=8", "quant.observer=mse", scan])
     passes = build_passes(cfg)
-    assert [p.name for p in passes] == ["sensitivity", "export", "calibrate-activations", "fp8-qdq", "build"]
+    assert [p.name for p in passes] == [
+        "sensitivity",
+        "export",
+        "calibrate-activations",
+        "fp8-qdq",
+        "ort_build",
+    ]
     assert passes[2].config.calibration.num_samples == 8 and passes[3].config.observer == "mse"
     assert all(p.consumes == p.produces == Kind.GRAPH for p in passes[2:4])
     assert passes[0].config.weight == "fp8" and passes[0].config.activations
     weight_only = build_passes(compose_recipe(["quant=fp8", "quant.activations=false", scan]))
-    assert [p.name for p in weight_only] == ["sensitivity", "export", "fp8-qdq", "build"]
+    assert [p.name for p in weight_only] == ["sensitivity", "export", "fp8-qdq", "ort_build"]
     assert not weight_only[0].config.activations
     with pytest.raises(Exception, match="observer"):
         compose_recipe(["quant=fp8", "quant.observer=median"])  # Hydra rejects it at parse time
@@ -262,7 +270,7 @@ def test_cli_builds_a_generating_engine_and_reruns_from_cache(tiny_llama: Path, 
         return json.loads((tmp_path / name / "manifest.json").read_text())
 
     first = run("run1")
-    names = ["export", "calibrate-activations", "fp8-qdq", "build"]  # no fallback=auto: no scan
+    names = ["export", "calibrate-activations", "fp8-qdq", "ort_build"]  # no fallback=auto: no scan
     assert [p["name"] for p in first["passes"]] == names
     assert not any(p["cache_hit"] for p in first["passes"])
     assert first["passes"][2]["metrics"]["vs_input"]["finite"]
@@ -279,10 +287,10 @@ def test_default_model_fp8(tmp_path: Path) -> None:
     """Short calibration on SmolLM2-135M: every linear layer but lm_head in FP8, close to fp32."""
     from omegaconf import OmegaConf
 
-    from pipeline.cache import Cache
     from pipeline.config import ModelConfig
-    from pipeline.manager import PassManager
-    from pipeline.plugins import build_passes
+    from pipeline.core.cache import Cache
+    from pipeline.core.manager import PassManager
+    from pipeline.core.plugins import build_passes
     from pipeline.sources import resolve_source
     from tests.pipeline.recipe import compose_recipe
 

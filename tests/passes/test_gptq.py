@@ -10,19 +10,12 @@ import pytest
 import torch
 
 from calibration.datasets import CalibrationConfig
+from passes.formats.int4 import INT4_DIR, group_params, load_params, quantize_rtn
 from passes.gptq import GptqPass, Hessians, gptq_quantize
-from passes.int4 import (
-    EXTRAS_DIR,
-    INT4_DIR,
-    first_layer_inputs,
-    group_params,
-    input_hooks,
-    load_params,
-    quantize_rtn,
-)
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import CalibrationError
-from pipeline.torch_model import load_causal_lm
+from passes.int4 import EXTRAS_DIR, first_layer_inputs, input_hooks
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.errors import CalibrationError
+from pipeline.core.torch_model import load_causal_lm
 from tests.conftest import make_tiny_llama
 
 CALIBRATION = {"num_samples": 8, "seq_len": 64}
@@ -58,7 +51,7 @@ def test_gptq_beats_round_to_nearest(act_order: bool, symmetric: bool) -> None:
 def test_gptq_beats_round_to_nearest_on_tiny_llama_activations(tiny_llama: Path) -> None:
     """Layer-output MSE on real calibration inputs of every linear of decoder layer 0."""
     from calibration.datasets import token_windows
-    from pipeline.torch_model import load_tokenizer
+    from pipeline.core.torch_model import load_tokenizer
 
     model = load_causal_lm(tiny_llama)
     windows = token_windows(load_tokenizer(tiny_llama), CalibrationConfig(**CALIBRATION))

@@ -14,12 +14,9 @@ import torch
 from calibration.datasets import CalibrationConfig, token_windows
 from calibration.streaming import StreamedCheckpoint
 from passes.awq import AwqPass
-from passes.gptq import GptqPass, Int4GptqRecipe
-from passes.int4 import (
-    EXTRAS_DIR,
+from passes.formats.int4 import (
     INT4_DIR,
     QuantizedLinear,
-    TorchInt4Pass,
     fake_quantize_rtn,
     load_params,
     matmulnbits_tensors,
@@ -28,13 +25,15 @@ from passes.int4 import (
     quantize_rtn,
     save_params,
     unpack_uint4,
-    untie_lm_head,
 )
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import ConfigError
-from pipeline.placement import CPU_FLOAT32, ResolvedPlacement
-from pipeline.plugins import build_passes
-from pipeline.torch_model import load_causal_lm, load_tokenizer
+from passes.gptq import GptqPass
+from passes.int4 import EXTRAS_DIR, TorchInt4Pass
+from passes.recipes import Int4GptqRecipe
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.errors import ConfigError
+from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
+from pipeline.core.plugins import build_passes
+from pipeline.core.torch_model import load_causal_lm, load_tokenizer, untie_lm_head
 from tests.pipeline.recipe import compose_recipe
 
 
@@ -187,13 +186,13 @@ def test_hydra_recipe_expands_around_export() -> None:
     scan = "quant.sensitivity.enabled=true"  # for the record: by default only fallback=auto scans
     cfg = compose_recipe(["quant=int4_gptq", "quant.group_size=32", "quant.exclude=[lm_head]", scan])
     passes = build_passes(cfg)
-    assert [p.name for p in passes] == ["sensitivity", "gptq", "export", "int4_lowering", "build"]
+    assert [p.name for p in passes] == ["sensitivity", "gptq", "export", "int4_lowering", "ort_build"]
     assert passes[1].config.group_size == 32 and passes[3].config.exclude == ["lm_head"]
     assert passes[1].config.calibration == CalibrationConfig()
     assert passes[0].config.group_size == 32 and passes[0].config.exclude == ["lm_head"]
     cfg = compose_recipe(["quant=int4_awq", "quant.lowering=qdq", "quant.calibration.num_samples=8", scan])
     passes = build_passes(cfg)
-    assert [p.name for p in passes] == ["sensitivity", "awq", "export", "int4_lowering", "build"]
+    assert [p.name for p in passes] == ["sensitivity", "awq", "export", "int4_lowering", "ort_build"]
     assert passes[1].config.calibration.num_samples == 8 and passes[3].config.lowering == "qdq"
 
 

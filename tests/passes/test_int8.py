@@ -22,14 +22,16 @@ from onnx import numpy_helper
 
 from calibration.datasets import CalibrationConfig, token_windows
 from passes.export import ExportPass
-from passes.int8 import DEFAULT_WEIGHT_ONLY, Int8QDQPass, Int8Recipe
+from passes.int8 import DEFAULT_WEIGHT_ONLY, Int8QDQPass
+from passes.recipes import Int8Recipe
 from passes.smoothquant import SmoothQuantPass
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import CalibrationError, ConfigError, PassError
-from pipeline.graph_io import load_proto
-from pipeline.plugins import build_passes
-from pipeline.runtime.ort import OrtModel, graph_io
-from pipeline.torch_model import load_causal_lm, load_tokenizer
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.engine import graph_io
+from pipeline.core.errors import CalibrationError, ConfigError, PassError
+from pipeline.core.graph_io import load_proto
+from pipeline.core.plugins import build_passes
+from pipeline.core.torch_model import load_causal_lm, load_tokenizer
+from pipeline.runtime.ort import OrtModel
 from tests.pipeline.recipe import compose_recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -279,7 +281,7 @@ def test_recipe_expands_to_both_stages() -> None:
          "quant.sensitivity.enabled=true"]  # the scan for the record: by default only fallback=auto scans
     )  # fmt: skip
     passes = build_passes(cfg)
-    assert [p.name for p in passes] == ["smoothquant", "sensitivity", "export", "int8_qdq", "build"]
+    assert [p.name for p in passes] == ["smoothquant", "sensitivity", "export", "int8_qdq", "ort_build"]
     smooth, scan, qdq = passes[0].config, passes[1].config, passes[3].config
     assert scan.weight == "int8" and scan.activations and scan.weight_only == DEFAULT_WEIGHT_ONLY
     assert smooth.alpha == 0.7 and smooth.calibration.num_samples == 16 and smooth.exclude == ["lm_head"]
@@ -316,7 +318,7 @@ def test_cli_end_to_end(tiny_llama: Path, tmp_path: Path) -> None:
     result = run_cli(tiny_llama, tmp_path, "quant.calibration.num_samples=4", "quant.calibration.seq_len=32")
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    names = ["smoothquant", "export", "int8_qdq", "build"]  # no fallback=auto: no scan
+    names = ["smoothquant", "export", "int8_qdq", "ort_build"]  # no fallback=auto: no scan
     assert [p["name"] for p in manifest["passes"]] == names
     assert manifest["passes"][2]["metrics"]["ort_kernels"]["MatMulIntegerToFloat"] == 12
     quality = manifest["quality"]
@@ -343,9 +345,9 @@ def test_default_model_int8(tmp_path: Path) -> None:
     kernel, and the engine's greedy tokens agree with fp32 torch on held-out text."""
     from omegaconf import OmegaConf
 
-    from pipeline.cache import Cache
     from pipeline.config import ModelConfig
-    from pipeline.manager import PassManager
+    from pipeline.core.cache import Cache
+    from pipeline.core.manager import PassManager
     from pipeline.sources import resolve_source
 
     cfg = compose_recipe(

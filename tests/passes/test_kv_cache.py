@@ -9,14 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from passes.build import OrtCpuBuildPass
 from passes.fusion.fuse import FusionPass
 from passes.kv_cache import KvCachePass
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import EngineError, PassError
-from pipeline.graph_io import load_proto
+from passes.ort_build import OrtCpuBuildPass
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.engine import graph_io
+from pipeline.core.errors import EngineError, PassError
+from pipeline.core.graph_io import load_proto
 from pipeline.runtime.generate import GenerationConfig
-from pipeline.runtime.ort import Engine, OrtModel, graph_io
+from pipeline.runtime.ort import Engine, OrtModel
 from tests.conftest import genai_greedy_tokens
 
 WINDOW = 4
@@ -347,7 +348,7 @@ def test_fp8_cache_engine_decodes_with_either_rule_set(
     rearranges cache rows between steps). The TensorRT build takes only the per-tensor graph,
     whose cache Q/DQ the lint passes, and no build takes an fp8 cache no fusion pass stored."""
     from passes.tensorrt_build import TensorRtBuildPass
-    from pipeline.lint import lint
+    from pipeline.core.lint import lint
     from pipeline.runtime.serving import Request, ServingLimits
 
     (tmp_path / "kv").mkdir()

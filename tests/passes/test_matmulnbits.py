@@ -18,14 +18,15 @@ import torch
 from onnx import TensorProto, numpy_helper
 
 from passes.export import ExportPass
+from passes.formats.int4 import INFO_FILE, INT4_DIR, PARAMS_FILE, quantize_rtn
 from passes.gptq import GptqPass
-from passes.int4 import EXTRAS_DIR, INFO_FILE, INT4_DIR, PARAMS_FILE, quantize_rtn
+from passes.int4 import EXTRAS_DIR
 from passes.matmulnbits import DATA_FILE, MODEL_FILE, Int4LoweringPass, transposed
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import ConfigError, PassError
-from pipeline.graph_io import load_proto
-from pipeline.runtime.ort import graph_io
-from pipeline.torch_model import load_causal_lm
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.engine import graph_io
+from pipeline.core.errors import ConfigError, PassError
+from pipeline.core.graph_io import load_proto
+from pipeline.core.torch_model import load_causal_lm
 from tests.pipeline.test_main import pipeline_command
 
 REPO = Path(__file__).resolve().parents[2]
@@ -271,7 +272,7 @@ def test_cli_int4_gptq_builds_an_engine_that_generates(tiny_llama: Path, tmp_pat
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    names = ["gptq", "export", "int4_lowering", "build"]  # no fallback=auto: no scan
+    names = ["gptq", "export", "int4_lowering", "ort_build"]  # no fallback=auto: no scan
     assert [p["name"] for p in manifest["passes"]] == names
     assert manifest["passes"][2]["metrics"]["parity_vs_input_graph"]["top1_agreement"] == 1.0
     engine = Engine(tmp_path / "run" / "engine")
@@ -311,10 +312,10 @@ def test_cli_user_mistakes_are_one_line_and_cache_nothing(
 def test_int4_gptq_on_the_default_model(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
-    from pipeline.cache import Cache
     from pipeline.config import ModelConfig
-    from pipeline.manager import PassManager
-    from pipeline.plugins import build_passes
+    from pipeline.core.cache import Cache
+    from pipeline.core.manager import PassManager
+    from pipeline.core.plugins import build_passes
     from pipeline.runtime import Engine
     from pipeline.sources import resolve_source
     from tests.pipeline.recipe import compose_recipe
@@ -328,7 +329,7 @@ def test_int4_gptq_on_the_default_model(tmp_path: Path) -> None:
     assert isinstance(model_cfg, ModelConfig)
     source = resolve_source(model_cfg, REPO / "artifacts" / "models")  # shared with the CLI: converted once
     engine_artifact, records = PassManager(build_passes(cfg), Cache(tmp_path / "cache")).run(source)
-    assert [r.name for r in records] == ["sensitivity", "gptq", "export", "int4_lowering", "build"]
+    assert [r.name for r in records] == ["sensitivity", "gptq", "export", "int4_lowering", "ort_build"]
     scan = records[0].metrics  # per-layer KL of int4 round-to-nearest, one layer at a time
     kl = [entry["kl"] for entry in scan["ranking"]]
     assert scan["layers"] == len(kl) == 211 and kl == sorted(kl, reverse=True) and kl[-1] >= 0

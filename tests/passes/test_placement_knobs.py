@@ -10,9 +10,9 @@ from __future__ import annotations
 import inspect
 import sys
 
-from pipeline.artifacts import Kind
-from pipeline.base import Pass
-from pipeline.plugins import discover_passes
+from pipeline.core.artifacts import Kind
+from pipeline.core.base import Pass
+from pipeline.core.plugins import discover_passes
 
 BOTH = ("device", "torch_dtype")
 # Torch passes exempt from the knobs, each with the reason.

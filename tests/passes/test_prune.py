@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from passes.prune import PruneConfig, PrunePass, Shape, kept_heads, target_shape, top
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import PassError
-from pipeline.placement import ResolvedPlacement
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.errors import PassError
+from pipeline.core.placement import ResolvedPlacement
 from tests.conftest import make_tiny_llama
 
 CALIBRATION = {"num_samples": 4, "seq_len": 32}
@@ -34,7 +34,7 @@ def prune(
 
 
 def test_every_dimension_pruned_gives_a_consistent_checkpoint(tiny_llama: Path, tmp_path: Path) -> None:
-    from pipeline.torch_model import load_causal_lm
+    from pipeline.core.torch_model import load_causal_lm
 
     result, metrics = prune(
         tiny_llama, tmp_path / "pruned", mlp_ratio=0.25, heads_ratio=0.5, hidden_ratio=0.25, depth_ratio=0.5
@@ -168,7 +168,7 @@ def test_prune_from_the_command_line(tiny_llama: Path, tmp_path: Path) -> None:
     result = run_pipeline(tiny_llama, tmp_path, "run", *settings, *QUICK_BENCH)
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    assert [p["name"] for p in manifest["passes"]] == ["prune", "export", "build"]
+    assert [p["name"] for p in manifest["passes"]] == ["prune", "export", "ort_build"]
     assert manifest["passes"][0]["metrics"]["shape"]["after"]["intermediate"] == 96
     # A pruned engine is timed against its teacher's engine, alternately, in the run record.
     versus = manifest["benchmark"]["vs_reference"]

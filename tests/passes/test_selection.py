@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from passes.selection import FALLBACK_FILE, check_patterns, fallback_modules, select_modules
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 NAMES = [
     "model.layers.0.self_attn.q_proj",

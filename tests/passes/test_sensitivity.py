@@ -17,12 +17,12 @@ from scipy.stats import spearmanr
 from calibration.sensitivity import fisher_sensitivity, layer_sensitivity
 from passes.selection import FALLBACK_FILE
 from passes.sensitivity import SCAN_FILE, SensitivityPass
-from pipeline.artifacts import Artifact, sha256_file
-from pipeline.cache import Cache
-from pipeline.errors import ConfigError
-from pipeline.manager import PassManager
-from pipeline.placement import ResolvedPlacement
-from pipeline.plugins import build_passes
+from pipeline.core.artifacts import Artifact, sha256_file
+from pipeline.core.cache import Cache
+from pipeline.core.errors import ConfigError
+from pipeline.core.manager import PassManager
+from pipeline.core.placement import ResolvedPlacement
+from pipeline.core.plugins import build_passes
 from tests.pipeline.recipe import compose_recipe
 from tests.pipeline.test_main import run_pipeline
 
@@ -38,9 +38,9 @@ RECIPES = {
 @pytest.mark.parametrize(
     ("recipe", "names"),
     [
-        ("int4_gptq", ["sensitivity", "gptq", "export", "int4_lowering", "build"]),
-        ("int8", ["smoothquant", "sensitivity", "export", "int8_qdq", "build"]),
-        ("fp8", ["sensitivity", "export", "calibrate-activations", "fp8-qdq", "build"]),
+        ("int4_gptq", ["sensitivity", "gptq", "export", "int4_lowering", "ort_build"]),
+        ("int8", ["smoothquant", "sensitivity", "export", "int8_qdq", "ort_build"]),
+        ("fp8", ["sensitivity", "export", "calibrate-activations", "fp8-qdq", "ort_build"]),
     ],
 )
 def test_every_recipe_scans_before_it_quantizes_when_asked(recipe: str, names: list[str]) -> None:
@@ -212,7 +212,7 @@ def test_cli_bad_method_is_one_line(tiny_llama: Path, tmp_path: Path) -> None:
 
 
 def test_memory_estimate_adds_the_fisher_backward_to_the_whole_model(tiny_llama: Path) -> None:
-    from pipeline.memory import generic_estimate, model_shapes
+    from pipeline.core.memory import generic_estimate, model_shapes
 
     shapes = model_shapes(tiny_llama)
     assert shapes is not None

@@ -20,10 +20,10 @@ from passes.smoothquant import (
     collect_channel_absmax,
     smooth_model,
 )
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import CalibrationError, ConfigError, PassError
-from pipeline.placement import CPU_FLOAT32, ResolvedPlacement
-from pipeline.torch_model import load_causal_lm, load_tokenizer
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.errors import CalibrationError, ConfigError, PassError
+from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
+from pipeline.core.torch_model import load_causal_lm, load_tokenizer
 from tests.conftest import make_tiny_llama
 
 CALIBRATION = {"num_samples": 4, "seq_len": 32}

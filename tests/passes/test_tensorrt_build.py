@@ -1,5 +1,5 @@
 """GPU targets: ``target=tensorrt`` (passes/tensorrt_build.py), ``ort-cuda`` and ``ort-trt``
-(passes/build.py), and the TensorRT runtime's checks (pipeline/runtime/tensorrt.py).
+(passes/ort_build.py), and the TensorRT runtime's checks (pipeline/runtime/tensorrt.py).
 
 On CPU (every machine here): the recipe composes, the optimization profiles, the lint in
 ``requires``, the refusal of a machine without GPU/TensorRT before any pass runs, and the
@@ -20,15 +20,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from passes.build import OrtCudaBuildPass, OrtTrtBuildPass
 from passes.fusion.fuse import FusionPass
 from passes.kv_cache import KvCachePass
+from passes.ort_build import OrtCudaBuildPass, OrtTrtBuildPass
 from passes.tensorrt_build import TensorRtBuildPass, profile_shapes, save_timing_cache, timing_cache_file
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import EngineError, PassError
-from pipeline.gpu import GpuInfo
-from pipeline.plugins import build_passes
-from pipeline.runtime.ort import IOSpec
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.engine import IOSpec
+from pipeline.core.errors import EngineError, PassError
+from pipeline.core.gpu import GpuInfo
+from pipeline.core.plugins import build_passes
 from pipeline.runtime.tensorrt import check_build_match, pick_profile
 from tests.pipeline.recipe import compose_recipe
 
@@ -252,7 +252,7 @@ def test_tensorrt_engine_generates_the_cpu_greedy_tokens(trt_engine: Artifact, t
 def test_tensorrt_engine_with_an_fp8_cache_decodes_like_ort_cpu(tiny_graph: Artifact, tmp_path: Path) -> None:
     """kv_cache.dtype=fp8 for TensorRT: the cache is FP8 network I/O behind per-tensor Q/DQ. The
     same graph's ORT CPU engine is the reference (both round the cache to the same E4M3 codes)."""
-    from passes.build import OrtCpuBuildPass
+    from passes.ort_build import OrtCpuBuildPass
     from pipeline.runtime import Engine, GenerationConfig
 
     calibration = {"num_samples": 4, "seq_len": 64}
@@ -360,7 +360,7 @@ def test_ort_gpu_engine_folders_record_their_providers(tiny_graph: Artifact, tmp
     """The folders build anywhere (the session check needs the GPU); engine.json and
     genai_config.json name the providers, and the ORT TensorRT EP gets one profile and a cache
     folder resolved on the serving machine."""
-    from passes.build import GENAI_CONFIG
+    from passes.ort_build import GENAI_CONFIG
     from pipeline.runtime.ort import ORT_TRT_CACHE_ENV, resolve_provider_options
 
     cuda, trt = tmp_path / "cuda", tmp_path / "trt"

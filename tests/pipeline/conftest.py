@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifacts import Artifact
+from pipeline.core.artifacts import Artifact
 from tests.pipeline.passes_for_tests import make_source
 
 

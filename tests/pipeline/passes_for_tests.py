@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import Artifact, Kind, write_metadata
-from pipeline.base import Pass
-from pipeline.errors import PassError
+from pipeline.core.artifacts import Artifact, Kind, write_metadata
+from pipeline.core.base import Pass
+from pipeline.core.errors import PassError
 
 
 @dataclass

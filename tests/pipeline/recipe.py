@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from pipeline.config import register_pipeline_schemas
-from pipeline.plugins import discover_passes
+from pipeline.core.plugins import discover_passes
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 

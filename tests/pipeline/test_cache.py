@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifacts import Artifact, Kind
-from pipeline.cache import Cache, load_record, write_record
-from pipeline.manager import PassManager
-from pipeline.staging import lock_path, owned_folder, unique_name
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.cache import Cache, load_record, write_record
+from pipeline.core.manager import PassManager
+from pipeline.core.staging import lock_path, owned_folder, unique_name
 from tests.pipeline.passes_for_tests import recipe
 from tests.pipeline.test_staging import (
     FOREIGN_PID,
@@ -62,7 +62,7 @@ def test_malformed_entry_json_is_evicted_and_recomputed(
     cache_dir = tmp_path / "cache"
     first, records = PassManager(recipe("a"), Cache(cache_dir)).run(source)
     break_entry_json(cache_dir / records[0].cache_key, how)
-    with caplog.at_level(logging.WARNING, logger="pipeline.cache"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.core.cache"):
         engine, again = PassManager(recipe("a"), Cache(cache_dir)).run(source)
     assert [r.cache_hit for r in again] == [False, True, True]
     assert engine.digest == first.digest and (engine.path / "engine.txt").read_text() == "sa"
@@ -98,9 +98,9 @@ def test_unreadable_entry_json_is_evicted_not_a_traceback(source: Artifact, tmp_
         f"""
         import logging
         from pathlib import Path
-        from pipeline.artifacts import Artifact, Kind
-        from pipeline.cache import Cache
-        from pipeline.manager import PassManager
+        from pipeline.core.artifacts import Artifact, Kind
+        from pipeline.core.cache import Cache
+        from pipeline.core.manager import PassManager
         from tests.pipeline.passes_for_tests import AppendPass, ToEnginePass, ToGraphPass, recipe
         logging.basicConfig(level=logging.WARNING)
         try:
@@ -240,10 +240,10 @@ def test_trash_of_a_killed_eviction_is_removed(tmp_path: Path) -> None:
 STORAGE_SCRIPT = """
 import json, os, subprocess, sys
 from pathlib import Path
-from pipeline.artifacts import Artifact, Kind
-from pipeline.cache import Cache, write_record
-from pipeline.errors import PipelineError
-from pipeline.manager import PassManager
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.cache import Cache, write_record
+from pipeline.core.errors import PipelineError
+from pipeline.core.manager import PassManager
 from pipeline.run import place_engine
 from tests.pipeline.passes_for_tests import AppendPass, ToEnginePass, ToGraphPass, recipe
 

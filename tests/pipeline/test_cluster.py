@@ -144,7 +144,7 @@ def test_a_ray_address_must_answer_and_the_store_must_be_writable(tmp_path: Path
     """Checked once when the sweep starts (pipeline/cluster.py), one line each: an address where
     nothing listens (ray.init would retry it for minutes), a malformed one, a store under a file."""
     from pipeline.cluster import check_ray_address, check_writable
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
 
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))

@@ -11,14 +11,14 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from passes.build import OrtCpuBuildPass
 from passes.export import ExportPass
-from pipeline.artifacts import Kind
+from passes.ort_build import OrtCpuBuildPass
 from pipeline.config import DRIFT_FAMILIES, STAGE_ORDER, EvalConfig
-from pipeline.errors import ConfigError
+from pipeline.core.artifacts import Kind
+from pipeline.core.errors import ConfigError
+from pipeline.core.manager import validate
+from pipeline.core.plugins import build_passes, pass_class
 from pipeline.gate import load_eval_config
-from pipeline.manager import validate
-from pipeline.plugins import build_passes, pass_class
 from pipeline.run import drift_family
 from tests.pipeline.recipe import compose_recipe
 

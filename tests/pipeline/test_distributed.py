@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.distributed import ERROR_PREFIX, _failure
+from pipeline.core.distributed import ERROR_PREFIX, _failure
 
 RANK_REPORT = """\
 [{index}]:
@@ -21,7 +21,7 @@ RANK_REPORT = """\
 
 def agent_report(failures: list[tuple[int, int]], root: tuple[int, int]) -> str:
     """The agent's report: ``failures`` listed first, then the first observed failure."""
-    lines = ["pipeline.distributed FAILED", "-" * 60, "Failures:"]
+    lines = ["pipeline.core.distributed FAILED", "-" * 60, "Failures:"]
     lines += [RANK_REPORT.format(index=i + 1, rank=r, exit=e) for i, (r, e) in enumerate(failures)]
     lines += ["-" * 60, "Root Cause (first observed failure):"]
     lines += [RANK_REPORT.format(index=0, rank=root[0], exit=root[1]), "=" * 60]

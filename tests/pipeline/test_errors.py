@@ -28,7 +28,7 @@ from pipeline.config import (
     run_suffix,
     validate_config,
 )
-from pipeline.errors import ConfigError, PipelineError, describe_os_error, one_line
+from pipeline.core.errors import ConfigError, PipelineError, describe_os_error, one_line
 from pipeline.nightly import JOB_STATUS, write_job_status
 from tests.pipeline.recipe import compose_recipe
 from tests.pipeline.test_main import REPO
@@ -378,7 +378,7 @@ def test_every_error_of_ours_is_a_pipeline_error() -> None:
     import inspect
     import pkgutil
 
-    from pipeline.errors import PipelineError
+    from pipeline.core.errors import PipelineError
 
     ours = []
     for package in ("pipeline", "evals", "passes", "calibration"):

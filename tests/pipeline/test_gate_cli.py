@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.artifacts import folder_digest, write_json
-from pipeline.errors import EngineError, PipelineError
+from pipeline.core.artifacts import folder_digest, write_json
+from pipeline.core.errors import EngineError, PipelineError
 from pipeline.gate import load_eval_config, main, resolve_engine
 from pipeline.manifest import engine_files
 
@@ -176,7 +176,7 @@ def test_engine_and_run_folder_forms_agree(runs: tuple[Path, Path], tmp_path: Pa
 
 def test_the_gate_puts_items_to_the_model_as_its_chat_setting_says(tmp_path: Path) -> None:
     from pipeline.config import EvalConfig
-    from pipeline.errors import PipelineError
+    from pipeline.core.errors import PipelineError
     from pipeline.gate import resolve_chat
 
     raw, jinja, in_config = (tmp_path / name for name in ("raw", "jinja", "in-config"))

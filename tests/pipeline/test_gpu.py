@@ -1,4 +1,4 @@
-"""pipeline/gpu.py on a machine without a GPU (every machine here): each probe refuses with one
+"""pipeline/core/gpu.py on a machine without a GPU (every machine here): each probe refuses with one
 line naming what is missing and how to get it; benchmarks/gpu_check.py stops the same way."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.errors import ConfigError
-from pipeline.gpu import gpu_info, require_ort_provider, require_tensorrt, tensorrt_module
+from pipeline.core.errors import ConfigError
+from pipeline.core.gpu import gpu_info, require_ort_provider, require_tensorrt, tensorrt_module
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""The graph passes' one graph API (pipeline/graph_io.py): lazy weights, unchanged data files
+"""The graph passes' one graph API (pipeline/core/graph_io.py): lazy weights, unchanged data files
 hard-linked and only changed bytes written, no unreferenced data file, and the parity helper."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 
 from passes.kv_cache import KvCachePass
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind
-from pipeline.errors import PassError
-from pipeline.graph_io import (
+from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind
+from pipeline.core.errors import PassError
+from pipeline.core.graph_io import (
     check_data_files,
-    compare_graphs,
     link_folder_files,
     load_graph,
     save_graph,
     unreferenced_data_files,
 )
+from pipeline.runtime.parity import compare_graphs
 
 SHARD = 64 * 1024  # the tiny graph's 450 KB of weights in several shards
 
@@ -134,8 +134,9 @@ def test_parity_helper_catches_perturbed_logits(tiny_graph: Artifact, tmp_path: 
 def test_parity_sessions_keep_the_weights_mapped_and_engines_prepack(tiny_graph: Artifact) -> None:
     """The parity checks open ONNX Runtime without MLAS prepacking (the weights held once, from
     the mapped data file); an engine session, which serves, keeps it."""
-    from pipeline.graph_io import _parity_model
-    from pipeline.runtime.ort import OrtModel, graph_io
+    from pipeline.core.engine import graph_io
+    from pipeline.runtime.ort import OrtModel
+    from pipeline.runtime.parity import _parity_model
 
     def prepacking(model: OrtModel) -> bool:
         options = model.session.get_session_options()

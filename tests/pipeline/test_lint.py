@@ -13,11 +13,11 @@ import numpy as np
 import onnx
 import pytest
 
-from pipeline.artifacts import Artifact
-from pipeline.cache import Cache
-from pipeline.lint import Finding, LintError, lint, support_table, table_disagreements
-from pipeline.manager import PassManager
-from pipeline.plugins import build_passes
+from pipeline.core.artifacts import Artifact
+from pipeline.core.cache import Cache
+from pipeline.core.lint import Finding, LintError, lint, support_table, table_disagreements
+from pipeline.core.manager import PassManager
+from pipeline.core.plugins import build_passes
 from tests.pipeline.recipe import compose_recipe
 
 CALIBRATION = ["quant.calibration.num_samples=4"]
@@ -80,7 +80,7 @@ def _edited(folder: Path, out: Path, edit) -> Path:  # type: ignore[no-untyped-d
     """A copy of the graph folder with ``edit(model)`` applied (onnx-ir)."""
     import onnx_ir as ir
 
-    from pipeline.graph_io import load_graph
+    from pipeline.core.graph_io import load_graph
 
     out.mkdir()
     for path in folder.iterdir():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifacts import file_digests
+from pipeline.core.artifacts import file_digests
 
 REPO = Path(__file__).resolve().parents[2]
 QUICK_BENCH = [
@@ -56,7 +56,7 @@ def first_run(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
 def test_run_writes_engine_and_record(first_run: tuple[Path, dict]) -> None:
     workdir, manifest = first_run
     assert manifest["schema_version"] == 1
-    assert [p["name"] for p in manifest["passes"]] == ["export", "build"]
+    assert [p["name"] for p in manifest["passes"]] == ["export", "ort_build"]
     assert not any(p["cache_hit"] for p in manifest["passes"])
     assert manifest["passes"][0]["metrics"]["parity"]["top1_agreement"] == 1.0
     assert manifest["passes"][1]["input_digest"] == manifest["passes"][0]["output_digest"]

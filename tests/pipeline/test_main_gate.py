@@ -34,7 +34,7 @@ def int8_run(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tupl
 def test_a_passing_run_is_published_and_pulls_back_intact(
     int8_run: tuple[Path, dict], tmp_path: Path
 ) -> None:
-    from pipeline.artifacts import file_digests
+    from pipeline.core.artifacts import file_digests
     from pipeline.registry import LocalRegistry, Ref
 
     workdir, manifest = int8_run

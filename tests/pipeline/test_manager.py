@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import cache as cache_module
-from pipeline.artifacts import Artifact, Kind
-from pipeline.cache import Cache
-from pipeline.errors import ConfigError, PassError
-from pipeline.manager import PassManager, validate
+from pipeline.core import cache as cache_module
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.cache import Cache
+from pipeline.core.errors import ConfigError, PassError
+from pipeline.core.manager import PassManager, validate
 from tests.pipeline.passes_for_tests import AppendPass, ToEnginePass, ToGraphPass, recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,9 +119,9 @@ def test_sigkill_mid_pass_leaves_no_entry_and_resumes(source: Artifact, tmp_path
     script = textwrap.dedent(
         f"""
         from pathlib import Path
-        from pipeline.artifacts import Artifact, Kind
-        from pipeline.cache import Cache
-        from pipeline.manager import PassManager
+        from pipeline.core.artifacts import Artifact, Kind
+        from pipeline.core.cache import Cache
+        from pipeline.core.manager import PassManager
         from tests.pipeline.passes_for_tests import AppendPass, ToEnginePass, ToGraphPass, recipe
         source = Artifact.from_dir(Kind.TORCH, Path({str(source.path)!r}))
         passes = [AppendPass(text="a"), AppendPass(text="b"), ToGraphPass(), ToEnginePass()]

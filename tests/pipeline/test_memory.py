@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 
 from passes.smoothquant import SmoothQuantPass
-from pipeline import memory
-from pipeline.artifacts import Artifact, Kind, write_metadata
-from pipeline.base import Pass
-from pipeline.cache import Cache
-from pipeline.errors import ConfigError
-from pipeline.manager import PassManager
-from pipeline.memory import GIB, InsufficientMemoryError, ModelShapes, model_shapes, preflight
-from pipeline.placement import ResolvedPlacement
+from pipeline.core import memory
+from pipeline.core.artifacts import Artifact, Kind, write_metadata
+from pipeline.core.base import Pass
+from pipeline.core.cache import Cache
+from pipeline.core.errors import ConfigError
+from pipeline.core.manager import PassManager
+from pipeline.core.memory import GIB, InsufficientMemoryError, ModelShapes, model_shapes, preflight
+from pipeline.core.placement import ResolvedPlacement
 from tests.pipeline.passes_for_tests import AppendPass, ToEnginePass, ToGraphPass
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,7 +85,7 @@ def test_preflight_logs_a_table_and_records_each_estimate(
     tiny_llama: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     passes = [AppendPass(), SmoothQuantPass(), KnowsBetterPass(), ToGraphPass(), ToEnginePass()]
-    with caplog.at_level(logging.INFO, logger="pipeline.memory"):
+    with caplog.at_level(logging.INFO, logger="pipeline.core.memory"):
         estimates = preflight(passes, tiny_llama, max_memory_gib=64, bench=([16, 32], 8, 1))
     shapes = model_shapes(tiny_llama)
     assert shapes is not None
@@ -160,7 +160,7 @@ def test_passes_the_cache_answers_are_not_sized_or_refused(
         preflight([first, second], tiny_source.path, max_memory_gib=0.001, cached=1)
     manager.run(tiny_source)
     assert manager.cached_prefix(tiny_source) == 4
-    with caplog.at_level(logging.INFO, logger="pipeline.memory"):
+    with caplog.at_level(logging.INFO, logger="pipeline.core.memory"):
         assert preflight([first, second], tiny_source.path, max_memory_gib=0.001, cached=2) == []
     assert sum("cached: not run" in r.getMessage() for r in caplog.records) == 2
     assert PassManager([AppendPass(text="c")], cache).cached_prefix(tiny_source) == 0  # another config
@@ -198,9 +198,9 @@ def test_cli_refuses_before_any_pass_with_one_line(tiny_llama: Path, tmp_path: P
 MEASURE_IN_FRESH_PROCESS = """
 import json, sys
 from pathlib import Path
-from pipeline.artifacts import Artifact, Kind
-from pipeline.cache import Cache
-from pipeline.manager import PassManager
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.cache import Cache
+from pipeline.core.manager import PassManager
 from tests.pipeline.passes_for_tests import ToEnginePass, ToGraphPass
 from tests.pipeline.test_memory import AllocatePass
 passes = [AllocatePass(hold_s=0.2), ToGraphPass(), ToEnginePass()]

@@ -90,8 +90,8 @@ def test_nightly_means_the_full_gate_and_the_nightly_channel() -> None:
     from hydra import compose, initialize_config_dir
 
     from pipeline.config import register_pipeline_schemas
+    from pipeline.core.plugins import discover_passes
     from pipeline.nightly import apply_nightly
-    from pipeline.plugins import discover_passes
 
     register_pipeline_schemas()
     discover_passes()

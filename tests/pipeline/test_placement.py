@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifacts import Artifact
-from pipeline.cache import Cache
 from pipeline.config import PipelineSettings
-from pipeline.errors import ConfigError
-from pipeline.manager import PassManager
-from pipeline.placement import CPU_FLOAT32, Placement, ResolvedPlacement
+from pipeline.core.artifacts import Artifact
+from pipeline.core.cache import Cache
+from pipeline.core.errors import ConfigError
+from pipeline.core.manager import PassManager
+from pipeline.core.placement import CPU_FLOAT32, Placement, ResolvedPlacement
 from tests.pipeline.passes_for_tests import AppendPass, ToEnginePass, ToGraphPass
 
 

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from pipeline.artifacts import Kind
-from pipeline.base import Pass, Recipe
-from pipeline.errors import ConfigError
-from pipeline.plugins import arrange
+from pipeline.core.artifacts import Kind
+from pipeline.core.base import Pass, Recipe
+from pipeline.core.errors import ConfigError
+from pipeline.core.plugins import arrange
 from tests.pipeline.passes_for_tests import AppendPass, ToEnginePass, ToGraphPass
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ModelConfig
-from pipeline.errors import ConfigError, SourceError
-from pipeline.plugins import build_passes
+from pipeline.core.errors import ConfigError, SourceError
+from pipeline.core.plugins import build_passes
 from pipeline.sources import check_hf_llama, resolve_source
 from pipeline.speculative import draft_passes
 from tests.pipeline.recipe import compose_recipe
@@ -153,7 +153,7 @@ def test_a_checkpoint_asking_for_remote_code_is_refused_in_one_line(
 
 def test_the_loaders_never_run_checkpoint_code(remote_code_checkpoint: tuple[Path, Path]) -> None:
     """Behind the source check, the loaders themselves pass trust_remote_code=False."""
-    from pipeline.torch_model import load_causal_lm, load_tokenizer
+    from pipeline.core.torch_model import load_causal_lm, load_tokenizer
 
     folder, marker = remote_code_checkpoint
     config = json.loads((folder / "config.json").read_text())

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from pipeline.artifacts import Artifact
 from pipeline.config import ServingBenchConfig
-from pipeline.errors import EngineError
+from pipeline.core.artifacts import Artifact
+from pipeline.core.errors import EngineError
 from pipeline.runtime import Engine
 from pipeline.serving_bench import make_trace, plot_serving, serving_benchmark
 from pipeline.summary import serving_table
@@ -87,9 +87,9 @@ def test_bench_serving_from_the_cli(tiny_llama: Path, tmp_path: Path) -> None:
 
 
 def test_an_engine_that_cannot_batch_is_skipped_with_the_reason(tiny_graph: Artifact, tmp_path: Path) -> None:
-    from passes.build import OrtCpuBuildPass
     from passes.fusion.fuse import FusionPass
-    from pipeline.artifacts import Kind
+    from passes.ort_build import OrtCpuBuildPass
+    from pipeline.core.artifacts import Kind
 
     (tmp_path / "fused").mkdir()
     FusionPass().run(tiny_graph, tmp_path / "fused")

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifacts import Artifact, Kind, folder_digest
+from pipeline.core.artifacts import Artifact, Kind, folder_digest
+from pipeline.core.staging import lock_path, owned_folder, unique_name
 from pipeline.manifest import REPO_ROOT, code_revision, write_manifest
 from pipeline.run import place_engine, remove_abandoned_runs
-from pipeline.staging import lock_path, owned_folder, unique_name
 from tests.pipeline.test_staging import FOREIGN_PID, kill_owner, owner_process, pid_namespaces_work
 
 REPO = Path(__file__).resolve().parents[2]
@@ -167,8 +167,8 @@ def wait_for_staging(staging_root: Path, known: set[str], timeout: float = 90) -
 CLEANUP = """
 import sys
 from pathlib import Path
-from pipeline.cache import Cache
-from pipeline.staging import remove_abandoned
+from pipeline.core.cache import Cache
+from pipeline.core.staging import remove_abandoned
 root = Path(sys.argv[1])
 removed = remove_abandoned(root / ".staging")  # what a job opening the cache removes...
 Cache(root)  # ...and the open itself

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifacts import Kind
 from pipeline.config import DEFAULT_MODEL_PACKAGE, ModelConfig
-from pipeline.errors import SourceError
+from pipeline.core.artifacts import Kind
+from pipeline.core.errors import SourceError
+from pipeline.core.staging import lock_path
+from pipeline.core.torch_model import load_causal_lm, load_tokenizer
 from pipeline.sources import (
     DOWNLOAD_STAGING,
     SOURCE_FILE,
@@ -26,8 +28,6 @@ from pipeline.sources import (
     fetch_bundled,
     resolve_source,
 )
-from pipeline.staging import lock_path
-from pipeline.torch_model import load_causal_lm, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -221,7 +221,7 @@ def hold_staging(folder: Path, prefix: str) -> tuple[subprocess.Popen[str], Path
     as the pipeline makes them; it waits until killed. Returns it and the folder."""
     script = (
         "import sys, time; from pathlib import Path\n"
-        "from pipeline.staging import owned_folder, unique_name\n"
+        "from pipeline.core.staging import owned_folder, unique_name\n"
         "with owned_folder(Path(sys.argv[1]) / unique_name(sys.argv[2])) as staging:\n"
         "    (staging / 'model.safetensors').write_bytes(b'half written')\n"
         "    print(staging, flush=True)\n"

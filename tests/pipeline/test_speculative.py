@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.core.graph_io import graph_ops
 from pipeline.runtime import Engine
-from pipeline.runtime.ort import graph_ops
 from tests.pipeline.test_main import QUICK_BENCH, run_pipeline
 
 DRAFT = [
@@ -46,9 +46,9 @@ def test_the_engine_carries_its_draft_and_decodes_with_it(speculative_run: tuple
     plan = manifest["speculative"]
     assert plan["k"] == 3 and plan["draft_layers"] == 1
     # The default draft: depth-pruned, distilled, then INT4 (AWQ) whatever the target's precision.
-    names = ["prune", "distill", "awq", "export", "int4_lowering", "build"]
+    names = ["prune", "distill", "awq", "export", "int4_lowering", "ort_build"]
     assert [p["name"] for p in plan["draft_passes"]] == names
-    assert [p["name"] for p in manifest["passes"]] == ["export", "build"]  # the target's own
+    assert [p["name"] for p in manifest["passes"]] == ["export", "ort_build"]  # the target's own
     assert "MatMulNBits" in graph_ops(engine.draft.folder / "model.onnx")
     assert "MatMulNBits" not in graph_ops(engine.folder / "model.onnx")
     bench = manifest["benchmark"]["speculative"]
@@ -58,7 +58,7 @@ def test_the_engine_carries_its_draft_and_decodes_with_it(speculative_run: tuple
 
 
 def test_the_draft_takes_the_recipe_quant_when_it_names_none() -> None:
-    from pipeline.plugins import build_passes
+    from pipeline.core.plugins import build_passes
     from pipeline.speculative import draft_passes
     from tests.pipeline.recipe import compose_recipe
 

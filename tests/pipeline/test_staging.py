@@ -1,4 +1,4 @@
-"""Lock-owned staging folders (``pipeline/staging.py``): removed by others only when their owner
+"""Lock-owned staging folders (``pipeline/core/staging.py``): removed by others only when their owner
 is gone, whichever host or PID namespace it ran in, or when nobody wrote them for too long."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.staging import is_owned, key_lock, lock_path, owned_folder, remove_abandoned, unique_name
+from pipeline.core.staging import is_owned, key_lock, lock_path, owned_folder, remove_abandoned, unique_name
 
 REPO = Path(__file__).resolve().parents[2]
 FOREIGN_PID = 4_194_305  # above Linux's largest pid_max: never a process of this host
@@ -28,7 +28,7 @@ FOREIGN_PID = 4_194_305  # above Linux's largest pid_max: never a process of thi
 OWNER = """
 import os, sys
 from pathlib import Path
-from pipeline.staging import owned_folder
+from pipeline.core.staging import owned_folder
 with owned_folder(Path(sys.argv[1])) as folder:
     (folder / "work.bin").write_bytes(b"half")
     print("ready", os.getpid(), flush=True)
@@ -149,7 +149,7 @@ def test_owner_in_another_pid_namespace_keeps_its_folder(tmp_path: Path) -> None
     folder = tmp_path / "key.1.0123456789ab"  # named by a pid of its own namespace
     with owner_process(folder, new_pid_namespace=True) as owner:
         assert remove_abandoned(tmp_path) == []
-        cleanup = "from pathlib import Path; from pipeline.staging import remove_abandoned as r; "
+        cleanup = "from pathlib import Path; from pipeline.core.staging import remove_abandoned as r; "
         cleanup += f"print(len(r(Path({str(tmp_path)!r}))))"
         # And the cleanup itself run from another namespace than ours and the owner's.
         done = subprocess.run(
@@ -207,7 +207,7 @@ def test_max_age_removes_a_locked_folder_nobody_writes(tmp_path: Path) -> None:
 CHURN = """
 import sys
 from pathlib import Path
-from pipeline.staging import owned_folder, unique_name
+from pipeline.core.staging import owned_folder, unique_name
 root = Path(sys.argv[1])
 try:  # like the entry point: the interrupt is caught, then the process exits
     print("ready", flush=True)
@@ -252,7 +252,7 @@ def test_ctrl_c_at_any_moment_leaves_no_folder_or_lock(tmp_path: Path) -> None:
 KEY_HOLDER = """
 import sys, time
 from pathlib import Path
-from pipeline.staging import key_lock
+from pipeline.core.staging import key_lock
 with key_lock(Path(sys.argv[1]), "a test key"):
     print("holding", flush=True)
     sys.stdin.read()  # until the test closes stdin or kills us

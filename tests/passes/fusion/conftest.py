@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from passes.fusion.fuse import ModelFacts, drop_unused_input, prepare
-from pipeline.artifacts import Artifact, Kind, read_metadata, write_metadata
-from pipeline.graph_io import MODEL_FILE, compare_graphs, load_graph, save_graph
+from pipeline.core.artifacts import Artifact, Kind, read_metadata, write_metadata
+from pipeline.core.graph_io import MODEL_FILE, load_graph, save_graph
+from pipeline.runtime.parity import compare_graphs
 
 
 def prepared_model(graph: Artifact) -> Any:

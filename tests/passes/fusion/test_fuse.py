@@ -10,13 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from passes.build import OrtCpuBuildPass
 from passes.fusion.fuse import FusionPass
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import PassError
-from pipeline.graph_io import load_proto
+from passes.ort_build import OrtCpuBuildPass
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.engine import graph_io
+from pipeline.core.errors import PassError
+from pipeline.core.graph_io import load_proto
 from pipeline.runtime.generate import GenerationConfig
-from pipeline.runtime.ort import Engine, OrtModel, graph_io
+from pipeline.runtime.ort import Engine, OrtModel
 from tests.conftest import genai_greedy_tokens
 
 
@@ -244,7 +245,7 @@ def test_the_tensorrt_rule_set_from_config_gives_a_standard_op_graph(
     engine ONNX Runtime builds from it generates like the unfused one."""
     import onnx
 
-    from pipeline.plugins import build_passes
+    from pipeline.core.plugins import build_passes
     from tests.pipeline.recipe import compose_recipe
 
     fusion = next(p for p in build_passes(compose_recipe(["fusion=tensorrt"])) if isinstance(p, FusionPass))

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from passes.fusion.fuse import RULE_FAMILIES, ModelFacts
-from pipeline.artifacts import Artifact
+from pipeline.core.artifacts import Artifact
 from tests.passes.fusion.conftest import prepared_model
 
 # family -> (sites on the 2-layer graph, op it emits); each family runs after those before it.
@@ -118,7 +118,8 @@ def test_standard_attention_keeps_left_padding(
     logits it gets alone (GroupQueryAttention cannot, it masks from lengths)."""
     import numpy as np
 
-    from pipeline.runtime.ort import OrtModel, graph_io
+    from pipeline.core.engine import graph_io
+    from pipeline.runtime.ort import OrtModel
     from tests.passes.fusion.conftest import save_beside
 
     model = opset23_model(tiny_graph)

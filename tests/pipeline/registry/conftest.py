@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.artifacts import folder_digest, write_json
+from pipeline.core.artifacts import folder_digest, write_json
 from pipeline.manifest import engine_files
 
 

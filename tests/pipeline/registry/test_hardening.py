@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.artifacts import file_digests, sha256_file
 from pipeline.config import RegistryConfig
+from pipeline.core.artifacts import file_digests, sha256_file
 from pipeline.manifest import engine_files
 from pipeline.publish import publish_run
 from pipeline.registry import LocalRegistry, Ref, RegistryError

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import registry
-from pipeline.artifacts import file_digests
+from pipeline.core.artifacts import file_digests
 from pipeline.registry import LocalRegistry, Ref, RegistryError
 
 

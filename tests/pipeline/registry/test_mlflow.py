@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifacts import file_digests
+from pipeline.core.artifacts import file_digests
 from pipeline.registry import Ref, RegistryError, open_registry
 
 pytest.importorskip("mlflow")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifacts import file_digests
+from pipeline.core.artifacts import file_digests
 from pipeline.registry import LocalRegistry, Ref
 from tests.pipeline.registry.conftest import make_run
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.artifacts import Artifact
+from pipeline.core.artifacts import Artifact
 from pipeline.runtime.generate import GenerationConfig, generate, left_pad, sample_next
 from pipeline.runtime.ort import Engine, OrtModel
 

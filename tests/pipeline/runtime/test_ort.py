@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import EngineError
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.engine import ENGINE_FILE, IOSpec, graph_io
+from pipeline.core.errors import EngineError
 from pipeline.runtime.generate import GenerationConfig, left_pad
-from pipeline.runtime.ort import ENGINE_FILE, Engine, IOSpec, OrtModel, graph_io
+from pipeline.runtime.ort import Engine, OrtModel
 from tests.conftest import make_tiny_llama
 
 PROMPTS = ["The quick brown fox", "Once upon a time, there was a small model that", "0123"]
@@ -65,8 +66,8 @@ def tiny(tiny_llama: Path, tiny_engine: Artifact) -> Subject:
 
 @pytest.fixture(scope="module")
 def sharp(tmp_path_factory: pytest.TempPathFactory) -> Subject:
-    from passes.build import OrtCpuBuildPass
     from passes.export import ExportPass
+    from passes.ort_build import OrtCpuBuildPass
 
     source = make_tiny_llama(tmp_path_factory.mktemp("sharp-llama"), seed=0, initializer_range=0.3)
     graph = tmp_path_factory.mktemp("sharp-graph")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.artifacts import Artifact, Kind
+from pipeline.core.artifacts import Artifact, Kind
 from pipeline.runtime import Engine, GenerationConfig
 from pipeline.runtime.serving import PrefixCache, Request, Server, ServingError, ServingLimits, serve
 
@@ -156,8 +156,8 @@ def test_streams_from_a_background_server(engine: Engine) -> None:
 
 
 def test_engines_that_cannot_batch_are_refused(tiny_graph: Artifact, tmp_path: Path) -> None:
-    from passes.build import OrtCpuBuildPass
     from passes.fusion.fuse import FusionPass
+    from passes.ort_build import OrtCpuBuildPass
 
     (tmp_path / "fused").mkdir()
     FusionPass().run(tiny_graph, tmp_path / "fused")

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from passes.build import OrtCpuBuildPass
 from passes.export import ExportPass
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import EngineError
+from passes.ort_build import OrtCpuBuildPass
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.errors import EngineError
 from pipeline.runtime.generate import GenerationConfig, generate
 from pipeline.runtime.ort import Engine
 from pipeline.runtime.speculative import speculative_generate

@@ -13,12 +13,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipeline.artifacts import Artifact, Kind
-from pipeline.base import Pass, without_knobs
-from pipeline.cache import Cache, CacheEntry, cache_key
-from pipeline.distributed import check_processes
-from pipeline.errors import ConfigError
-from pipeline.memory import ResourceMeter, empty_resources
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.base import Pass, without_knobs
+from pipeline.core.cache import Cache, CacheEntry, cache_key
+from pipeline.core.distributed import check_processes
+from pipeline.core.errors import ConfigError
+from pipeline.core.memory import ResourceMeter, empty_resources
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class PassRecord:
     metrics: dict[str, Any] = field(default_factory=dict)
     # What the pass cost when it ran (for a cache hit: the run that computed it): cpu_seconds,
     # peak_rss_bytes, gpu_peak_bytes (CUDA only) and the preflight's estimate_bytes; None where
-    # not measured (pipeline/memory.py).
+    # not measured (pipeline/core/memory.py).
     resources: dict[str, Any] = field(default_factory=empty_resources)
 
     def to_dict(self) -> dict[str, Any]:

@@ -4,12 +4,12 @@ NCCL on CUDA) with a timeout on every collective, so a dead or stuck rank fails 
 line instead of hanging it.
 
 - :func:`launch` runs in the pass manager's process: it writes the job's spec, runs
-  ``accelerate launch -m pipeline.distributed SPEC``, streams the ranks' output (rank 0's progress
+  ``accelerate launch -m pipeline.core.distributed SPEC``, streams the ranks' output (rank 0's progress
   bar) through, and returns rank 0's metrics, or raises one line naming the rank that failed and
   why (its error, or the signal that killed it, from the agent's report). Ctrl-C or any error
   stops the agent, which stops its ranks; the spec's folder is removed on every exit.
 - :func:`main` runs in each rank: it rebuilds the pass from the allow-list
-  (:func:`pipeline.plugins.pass_class`; the spec names a pass, never arbitrary code), joins the
+  (:func:`pipeline.core.plugins.pass_class`; the spec names a pass, never arbitrary code), joins the
   group and calls the pass's ``run_rank(source, out_dir, group)``.
 - :class:`Group` is what a rank's code needs: rank and world size, sums across ranks, a barrier.
   ``Group()`` is the one-process group of an inline run; its collectives do nothing.
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import PassError, PipelineError, first_line
+from pipeline.core.errors import PassError, PipelineError, first_line
 
 LAUNCHERS = ("inline", "accelerate")
 STRATEGIES = ("ddp", "fsdp")
@@ -318,7 +318,7 @@ def launch(
             # Port 0: the agent's store binds a free port itself (a port picked here and bound later
             # could be taken meanwhile by another launch on this machine).
             command += ["--multi_gpu", "--main_process_port", "0"]
-        command += ["-m", "pipeline.distributed", str(work / SPEC_FILE)]
+        command += ["-m", "pipeline.core.distributed", str(work / SPEC_FILE)]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
         code, tail = _run(command, env, work)
@@ -480,10 +480,10 @@ def _failure(work: Path, tail: str, world: int, code: int, knob: str) -> Pipelin
 
 
 def main(argv: list[str] | None = None) -> int:
-    """A rank's entry point: ``python -m pipeline.distributed SPEC`` (started by :func:`launch`)."""
-    from pipeline.artifacts import Artifact, Kind, read_metadata
-    from pipeline.placement import ResolvedPlacement
-    from pipeline.plugins import pass_class
+    """A rank's entry point: ``python -m pipeline.core.distributed SPEC`` (started by :func:`launch`)."""
+    from pipeline.core.artifacts import Artifact, Kind, read_metadata
+    from pipeline.core.placement import ResolvedPlacement
+    from pipeline.core.plugins import pass_class
 
     spec_file = Path((argv if argv is not None else sys.argv[1:])[0])
     spec = json.loads(spec_file.read_text())
@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     group: Group | None = None
     try:
-        cls = pass_class(str(spec["target"]), "pipeline.distributed")
+        cls = pass_class(str(spec["target"]), "pipeline.core.distributed")
         if not callable(getattr(cls, "run_rank", None)):
             raise PassError(f"pass {spec['target']} cannot run in several processes")
         step: Any = cls(**spec["config"])

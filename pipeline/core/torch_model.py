@@ -8,9 +8,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import ARTIFACT_FILE
-from pipeline.errors import SourceError
-from pipeline.placement import CPU_FLOAT32, ResolvedPlacement
+from pipeline.core.artifacts import ARTIFACT_FILE
+from pipeline.core.errors import SourceError
+from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 
 # Readers of a bad checkpoint file raise many types (OSError, ValueError, TypeError, KeyError,
 # huggingface_hub's validation errors, tokenizers' plain Exception, ...), some over many lines.
@@ -76,3 +76,35 @@ def copy_beside_weights(source: Path, out_dir: Path, skip: tuple[str, ...] = ())
             shutil.copytree(path, out_dir / path.name)
         else:
             shutil.copy2(path, out_dir / path.name)
+
+
+LM_HEAD = "lm_head"
+
+
+def linear_layers(model: Any) -> dict[str, Any]:
+    """Every ``nn.Linear`` of a causal LM by module name (decoder projections and ``lm_head``)."""
+    import torch
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def meta_model(folder: Path) -> Any:
+    """The model skeleton (no weights) of a checkpoint: module names and shapes, in milliseconds."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+
+
+def untie_lm_head(model: Any) -> bool:
+    """Give ``lm_head`` its own copy of a tied embedding (the embedding is not changed)."""
+    import torch
+
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head.weight is embed.weight or head.weight.data_ptr() == embed.weight.data_ptr()
+    if tied:
+        head.weight = torch.nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    return tied

@@ -66,7 +66,7 @@ def write_json(path: Path, data: Any, staging: Path | None = None) -> None:
     """Write JSON via a temporary file and an atomic rename; the temporary file is removed on any
     failure or interrupt (a full disk, Ctrl-C, SIGTERM). It lies beside ``path`` (named
     ``.<name>.<pid>.<random>.tmp``: unique across hosts sharing the folder), or in ``staging``,
-    a lock-owned folder on the same file system (``pipeline.staging.owned_folder``), whose
+    a lock-owned folder on the same file system (``pipeline.core.staging.owned_folder``), whose
     remains after a SIGKILL the next run removes."""
     text = json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
     folder = staging if staging is not None else path.parent

@@ -5,7 +5,7 @@ time limit, Ray and container runtimes send) end the process at once, leaving st
 and temporary files behind. Entry points call :func:`interrupt_on_sigterm` once; the signal then
 raises :class:`Terminated`, a ``KeyboardInterrupt``, in the main thread, and the entry point exits
 with ``128 + signal`` after its cleanup. SIGKILL cannot be caught: what it leaves is removed by
-the next run (``pipeline/staging.py``).
+the next run (``pipeline/core/staging.py``).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import OS_ERROR_FIXES, StorageError
+from pipeline.core.errors import OS_ERROR_FIXES, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +328,7 @@ def write_json_staged(path: Path, data: Any, staging: Path, doing: str, setting:
     under ``staging`` (so what a SIGKILL leaves is removed by the next run); an OS error the user
     fixes (disk full, read-only, permission) becomes one :class:`StorageError` line saying
     ``doing`` and naming ``setting``, the knob that moves the folder."""
-    from pipeline.artifacts import write_json
+    from pipeline.core.artifacts import write_json
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,12 +13,12 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pipeline.artifacts import Artifact, Kind
-from pipeline.errors import PassError
-from pipeline.placement import CPU_FLOAT32, Placement, ResolvedPlacement
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.errors import PassError
+from pipeline.core.placement import CPU_FLOAT32, Placement, ResolvedPlacement
 
 if TYPE_CHECKING:
-    from pipeline.memory import ModelShapes
+    from pipeline.core.memory import ModelShapes
 
 __all__ = ["Pass", "PassError", "Recipe"]
 
@@ -40,7 +40,7 @@ class Pass(ABC):
     # pass on this input with this config (and is removed once its output is cached), where a
     # long pass keeps checkpoints to resume from. None when run outside the manager.
     checkpoint_dir: Path | None = None
-    # The pipeline.device / pipeline.torch_dtype knobs this pass honours (pipeline/placement.py):
+    # The pipeline.device / pipeline.torch_dtype knobs this pass honours (pipeline/core/placement.py):
     # they enter its cache key and its record. Every torch pass declares both; a pass that
     # declares a knob must compute where and in what dtype ``placement`` says.
     placement_knobs: ClassVar[tuple[str, ...]] = ()
@@ -56,7 +56,7 @@ class Pass(ABC):
     # (a ``run_rank(source, out_dir, group)`` reducing its statistics across them); the manager
     # refuses more than one process for any other pass.
     calibrates_in_ranks: ClassVar[bool] = False
-    # How the pass holds the model while it runs (pipeline/memory.py estimates its peak from it):
+    # How the pass holds the model while it runs (pipeline/core/memory.py estimates its peak from it):
     # "whole" (every weight in memory at the placement's dtype), "block" (one decoder block at a
     # time, streamed from the safetensors), "graph" (an ONNX graph with external data memory-mapped),
     # "none" (no weights).
@@ -71,14 +71,14 @@ class Pass(ABC):
     # ``StreamedCheckpoint.load_model``) maps one module of the checkpoint at a time; one that
     # loads through ``from_pretrained`` has the whole checkpoint mapped beside the weights.
     loads_module_by_module: ClassVar[bool] = False
-    # The preflight's estimate of this pass's peak memory in bytes (pipeline.memory.preflight sets
+    # The preflight's estimate of this pass's peak memory in bytes (pipeline.core.memory.preflight sets
     # it; the manager records it next to the measured peak). None: not estimated.
     memory_estimate: int | None = None
     # The config node the pass was built from ("quant", "prune", ...; set by
-    # ``pipeline.plugins.build_passes``), so messages name its knobs where the user sets them.
+    # ``pipeline.core.plugins.build_passes``), so messages name its knobs where the user sets them.
     config_group: str | None = None
-    # What the recipe asks for (set by ``pipeline.plugins.build_passes``) and what it resolves
-    # to on this machine (set by ``pipeline.manager.validate`` for passes with placement knobs).
+    # What the recipe asks for (set by ``pipeline.core.plugins.build_passes``) and what it resolves
+    # to on this machine (set by ``pipeline.core.manager.validate`` for passes with placement knobs).
     # Outside the manager: the CPU in float32.
     placement_request: Placement | None = None
     placement: ResolvedPlacement = CPU_FLOAT32
@@ -104,14 +104,14 @@ class Pass(ABC):
         return without_knobs(self.config_dict(), self.execution_knobs)
 
     def preflight(self) -> None:  # noqa: B027 - optional hook
-        """Raise a :class:`~pipeline.errors.PipelineError` if this machine cannot run the pass
+        """Raise a :class:`~pipeline.core.errors.PipelineError` if this machine cannot run the pass
         (no GPU, no TensorRT, ...). The manager asks every pass before the first one runs, so a
         recipe ending in a GPU build fails at once, not after its long passes. Default: accept."""
 
     def estimate_memory(self, shapes: ModelShapes) -> int | None:
         """This pass's peak memory in bytes for a checkpoint of ``shapes`` (host memory, at
         ``self.placement``), for a pass that knows better than the generic estimate from
-        :attr:`memory_profile` and its calibration config (``pipeline.memory``). Default: None."""
+        :attr:`memory_profile` and its calibration config (``pipeline.core.memory``). Default: None."""
         return None
 
     def requires(self, source: Artifact) -> None:  # noqa: B027 - optional hook
@@ -143,7 +143,7 @@ class Recipe(ABC):
 
     ``quant=int4_gptq`` is one config node (``quant.group_size=128``) but two passes: GPTQ in
     torch before export and the lowering of its weights in the graph after it. The manager
-    places each expanded pass where its input kind first exists (see ``pipeline.plugins``).
+    places each expanded pass where its input kind first exists (see ``pipeline.core.plugins``).
     """
 
     Config: ClassVar[type]

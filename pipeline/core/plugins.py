@@ -3,7 +3,7 @@
 ``pipeline/`` never imports ``passes/`` statically: the entry point imports every module of
 the ``passes`` package once (each registers its config schema), and the manager builds passes
 from the recipe's ``_target_``. Because ``_target_`` names code to import, only
-:class:`~pipeline.base.Pass` (or :class:`~pipeline.base.Recipe`) subclasses defined under ``passes``
+:class:`~pipeline.core.base.Pass` (or :class:`~pipeline.core.base.Recipe`) subclasses defined under ``passes``
 are accepted, so an override cannot make a nightly job import and run arbitrary code. The class is
 called directly with the node's other keys as plain data, never through Hydra's recursive
 ``instantiate``: a ``_target_`` (or ``_args_``, ``_partial_``, ...) anywhere below a group's own
@@ -19,10 +19,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.artifacts import Kind
-from pipeline.base import Pass, Recipe
-from pipeline.errors import ConfigError
-from pipeline.placement import Placement
+from pipeline.core.artifacts import Kind
+from pipeline.core.base import Pass, Recipe
+from pipeline.core.errors import ConfigError
+from pipeline.core.placement import Placement
 
 PASS_PACKAGE = "passes"
 # Keys through which Hydra's instantiate calls or shapes code; only a group's own _target_ is used.
@@ -114,7 +114,7 @@ def build_passes(cfg: DictConfig, source_kind: Kind = Kind.TORCH) -> list[Pass]:
         for where, step in built:
             expanded = step.passes() if isinstance(step, Recipe) else [step]
             for one in expanded:
-                one.config_group = where  # where its knobs live, for messages (pipeline/memory.py)
+                one.config_group = where  # where its knobs live, for messages (pipeline/core/memory.py)
             entries.extend((where, one) for one in expanded)
     passes = arrange(entries, source_kind)
     request = Placement(str(cfg.pipeline.get("device", "auto")), str(cfg.pipeline.get("torch_dtype", "auto")))

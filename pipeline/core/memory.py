@@ -2,10 +2,10 @@
 
 Before the first pass runs, :func:`preflight` estimates each pass's peak memory from the
 checkpoint's ``config.json`` shapes and the pass's config: the weights it holds (parameters x
-bytes at its dtype, by :attr:`pipeline.base.Pass.memory_profile`), its calibration activations,
+bytes at its dtype, by :attr:`pipeline.core.base.Pass.memory_profile`), its calibration activations,
 the ONNX Runtime session a graph pass's parity check opens, and a fixed overhead (python, torch,
 transformers and onnxruntime imported). A pass that knows better overrides
-:meth:`pipeline.base.Pass.estimate_memory`. The estimates are logged as a table; when the largest
+:meth:`pipeline.core.base.Pass.estimate_memory`. The estimates are logged as a table; when the largest
 exceeds the memory available (``pipeline.max_memory_gib``, else ``MemAvailable`` capped by the
 cgroup limit) the run is refused with one line naming the pass and the knob that lowers it.
 
@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from pipeline.base import Pass
+    from pipeline.core.base import Pass
 
 log = logging.getLogger(__name__)
 

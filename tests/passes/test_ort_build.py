@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from passes.build import GENAI_CONFIG, OrtCpuBuildPass
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind
-from pipeline.errors import PassError
-from pipeline.runtime.ort import ENGINE_FILE
+from passes.ort_build import GENAI_CONFIG, OrtCpuBuildPass
+from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind
+from pipeline.core.engine import ENGINE_FILE
+from pipeline.core.errors import PassError
 
 
 def test_engine_json_describes_how_to_run(tiny_engine: Artifact) -> None:

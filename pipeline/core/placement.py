@@ -7,7 +7,7 @@ histograms, Hessians, KL) are accumulated in float32 whatever the compute dtype:
 before they accumulate.
 
 The placement enters a pass's cache key only through the knobs the pass declares it honours
-(:attr:`pipeline.base.Pass.placement_knobs`), and only as the device *type* (``cuda:0`` and
+(:attr:`pipeline.core.base.Pass.placement_knobs`), and only as the device *type* (``cuda:0`` and
 ``cuda:1`` compute alike; a GPU and the CPU may differ in the last bits, so they are kept apart).
 """
 
@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

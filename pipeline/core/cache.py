@@ -8,7 +8,7 @@ An entry is ``<root>/<key>/`` holding ``output/`` (the artifact folder) and ``en
 It is built in ``<root>/.staging/<key>.<pid>.<nonce>/`` and published with one atomic
 ``rename``, so a run killed at any moment (even SIGKILL) never leaves a half-written entry.
 The cache may be shared by jobs on several hosts or containers (NFS, Lustre): a staging folder is
-owned through a lock (``pipeline/staging.py``), and opening the cache removes only those whose
+owned through a lock (``pipeline/core/staging.py``), and opening the cache removes only those whose
 owner is gone, whichever host it ran on (or, with ``max_age_s``, that nobody wrote for that long).
 An entry that cannot be read or does not match its digest is evicted and recomputed.
 """
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import Artifact, Kind, folder_digest, write_json
-from pipeline.errors import StorageError
-from pipeline.staging import (
+from pipeline.core.artifacts import Artifact, Kind, folder_digest, write_json
+from pipeline.core.errors import StorageError
+from pipeline.core.staging import (
     LOCK_SUFFIX,
     is_owned,
     key_lock,
@@ -228,7 +228,7 @@ class Cache:
         """Yield an empty staging folder for ``key``, owned by this process through its lock;
         removed on any exit (error, Ctrl-C, SIGTERM) unless :meth:`commit` took it. An OS error
         writing under the cache (full disk, read-only folder, permission) becomes one
-        :class:`~pipeline.errors.StorageError` naming ``label`` (what was being written) and
+        :class:`~pipeline.core.errors.StorageError` naming ``label`` (what was being written) and
         the file."""
         try:
             with owned_folder(self.staging_root / unique_name(key)) as staging:

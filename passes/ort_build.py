@@ -10,7 +10,7 @@ runtime's contract: target, providers and their options, session options, IO sha
 the folder. Graph optimizations run when the session is created on the serving machine:
 ORT's offline-optimized models at level "all" are tied to the hardware they were made on.
 
-The engine folder holds the graph's files as hard links (``pipeline.graph_io.link_graph_folder``;
+The engine folder holds the graph's files as hard links (``pipeline.core.graph_io.link_graph_folder``;
 copies only across file systems): a build adds the two JSON files to disk, not the weights.
 
 ``ensures``: no unreferenced external-data file; the folder loads in a real ONNX Runtime session
@@ -26,15 +26,22 @@ from typing import Any
 
 import numpy as np
 
-from passes.fusion.kv_cache_dtype import CACHE_TYPES as GQA_CACHE_TYPES
-from pipeline.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_json, write_metadata
-from pipeline.base import Pass
-from pipeline.config import register_pass
-from pipeline.errors import PassError
-from pipeline.gpu import require_ort_provider
-from pipeline.graph_io import check_data_files, link_graph_folder
-from pipeline.lint import lint
-from pipeline.runtime.ort import ENGINE_FILE, Engine, graph_ops
+from passes.engine_common import (
+    check_fp8_cache_applied,
+    engine_max_length,
+    gqa_cache_options,
+    lint_or_refuse,
+    metadata_model_file,
+    profile_shapes,
+)
+from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_json, write_metadata
+from pipeline.core.base import Pass
+from pipeline.core.config import register_pass
+from pipeline.core.engine import ENGINE_FILE
+from pipeline.core.errors import PassError
+from pipeline.core.gpu import require_ort_provider
+from pipeline.core.graph_io import check_data_files, graph_ops, link_graph_folder
+from pipeline.runtime.ort import Engine
 
 GENAI_CONFIG = "genai_config.json"
 
@@ -50,7 +57,7 @@ class OptimizationLevel(enum.StrEnum):
 class OrtCpuTargetConfig:
     """ONNX Runtime CPU engine settings (recorded in engine.json, used by the runtime)."""
 
-    _target_: str = "passes.build.OrtCpuBuildPass"
+    _target_: str = "passes.ort_build.OrtCpuBuildPass"
     name: str = "ort-cpu"
     # ONNX Runtime intra-op threads when serving (0: one per physical core).
     intra_op_num_threads: int = 0
@@ -68,7 +75,7 @@ class OrtCpuTargetConfig:
 class OrtCudaTargetConfig(OrtCpuTargetConfig):
     """ONNX Runtime on an NVIDIA GPU through the CUDA execution provider (onnxruntime-gpu)."""
 
-    _target_: str = "passes.build.OrtCudaBuildPass"
+    _target_: str = "passes.ort_build.OrtCudaBuildPass"
     name: str = "ort-cuda"
     device_id: int = 0
 
@@ -81,7 +88,7 @@ class OrtTrtTargetConfig(OrtCudaTargetConfig):
     ``~/.cache/llm-pipeline/ort-trt``); CUDA runs the rest. Options as in ONNX Runtime's
     TensorRT EP documentation (``trt_*``)."""
 
-    _target_: str = "passes.build.OrtTrtBuildPass"
+    _target_: str = "passes.ort_build.OrtTrtBuildPass"
     name: str = "ort-trt"
     builder_optimization_level: int = 3
     workspace_gib: float = 8.0
@@ -164,45 +171,9 @@ def genai_config(
     }
 
 
-def engine_max_length(metadata: dict[str, Any], configured: int) -> int:
-    """The engine's max_length: the configured one (0: none) capped by the model's context."""
-    model_max = int(metadata.get("max_length", 2048))
-    return min(configured, model_max) if configured else model_max
-
-
-def check_fp8_cache_applied(source: Artifact) -> None:
-    """Refuse a graph whose kv_cache pass asked for an fp8 cache that no fusion pass stored: the
-    fusion pass writes its Q/DQ (``passes/fusion/kv_cache_dtype.py``), with either rule set."""
-    if source.metadata.get("kv_cache", {}).get("dtype") == "fp8" and (
-        source.metadata["io"].get("kv_dtype") != "float8_e4m3fn"
-    ):
-        raise PassError(
-            "build: kv_cache.dtype=fp8 is stored by the fusion pass, which did not run on this graph: "
-            "add fusion=ort (or fusion=tensorrt)"
-        )
-
-
-def metadata_model_file(source: Artifact) -> str:
-    return str(source.metadata.get("model_file", "model.onnx"))
-
-
-def gqa_cache_options(kv: dict[str, Any]) -> list[str]:
-    """The recorded ``kv_cache`` options that only ONNX Runtime's GroupQueryAttention implements
-    (in-place buffer, window bound, fp16/int8 storage), spelled as the user sets them."""
-    return [
-        option
-        for option, asked in (
-            ("kv_cache=shared", kv.get("layout") == "shared"),
-            (f"kv_cache.window={kv.get('window')}", bool(kv.get("window"))),
-            (f"kv_cache.dtype={kv.get('dtype')}", kv.get("dtype") in GQA_CACHE_TYPES),
-        )
-        if asked
-    ]
-
-
 class OrtCpuBuildPass(Pass):
     Config = OrtCpuTargetConfig
-    name = "build"
+    name = "ort_build"
     version = 2  # 2: the graph's files hard-linked into the engine folder, not copied
     memory_profile = "graph"  # files linked; ensures opens one ONNX Runtime session
     consumes = Kind.GRAPH
@@ -325,7 +296,7 @@ class OrtCudaBuildPass(OrtCpuBuildPass):
 
 class OrtTrtBuildPass(OrtCudaBuildPass):
     """``target=ort-trt``: the engine folder for ONNX Runtime's TensorRT execution provider,
-    with the TensorRT-compatibility lint (``pipeline.lint``) as its precondition."""
+    with the TensorRT-compatibility lint (``pipeline.core.lint``) as its precondition."""
 
     Config = OrtTrtTargetConfig
 
@@ -341,8 +312,6 @@ class OrtTrtBuildPass(OrtCudaBuildPass):
         return ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
 
     def provider_options(self, metadata: dict[str, Any], max_length: int) -> list[dict[str, Any]]:
-        from passes.tensorrt_build import profile_shapes
-
         (profile,) = profile_shapes(
             metadata["io"], self.config.max_batch, min(self.config.max_input_length, max_length), max_length
         ).values()
@@ -365,17 +334,3 @@ class OrtTrtBuildPass(OrtCudaBuildPass):
             "trt_profile_max_shapes": shapes[2],
         }
         return [trt, device, {}]
-
-
-def lint_or_refuse(model_file: Path, target: str, escape: str = "") -> None:
-    """Raise a :class:`PassError` naming the first TensorRT-lint error and how many there are."""
-    errors = [finding for finding in lint(model_file) if finding.severity == "error"]
-    if errors:
-        first = errors[0]
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        hint = f", or {escape}" if escape else ""
-        raise PassError(
-            f"build: {model_file.name} is not TensorRT-compatible for target={target}: {first.rule} at "
-            f"node {first.node} ({first.op}): {first.message}{more}; see python -m pipeline.lint "
-            f"{model_file}{hint}"
-        )

@@ -15,7 +15,7 @@ import importlib.metadata
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 GPU_INSTALL = (
     'pip install ".[gpu]" --extra-index-url https://pypi.nvidia.com on a machine with an NVIDIA GPU '

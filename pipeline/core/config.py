@@ -1,0 +1,84 @@
+"""What every config needs from the kernel: a pass registers its config dataclass as a Hydra
+schema (:func:`register_pass`), and a dataclass refuses a value out of range with one line naming
+the knob as the command line writes it (``check_int``, ``check_ints``, ``check_number``).
+The application's own schemas (model, bench, eval, registry, ...) are in ``pipeline/config.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+from pipeline.core.errors import ConfigError
+
+
+def _show(value: Any) -> str:
+    """A value as it would be written on the command line."""
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_show(v) for v in value) + "]"
+    return "null" if value is None else str(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, low: int, *, optional: bool = False) -> None:
+    """``name=value`` must be a whole number >= ``low`` (or null when ``optional``)."""
+    if value is None and optional:
+        return
+    if not _is_int(value):
+        null = " or null" if optional else ""
+        raise ConfigError(f"{name}={_show(value)}: must be a whole number of at least {low}{null}")
+    if value < low:
+        raise ConfigError(f"{name}={_show(value)}: must be at least {low}")
+
+
+def check_ints(name: str, values: Any, low: int, *, count: int | None = None) -> None:
+    """A list of whole numbers, each >= ``low`` (exactly ``count`` of them when given)."""
+    if not isinstance(values, list | tuple) or (count is not None and len(values) != count):
+        what = f"a list of {count} whole numbers" if count else "a list of whole numbers"
+        raise ConfigError(f"{name}={_show(values)}: must be {what}, each at least {low}")
+    for value in values:
+        if not _is_int(value) or value < low:
+            raise ConfigError(f"{name}={_show(values)}: each must be a whole number of at least {low}")
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    above: float | None = None,
+    low: float | None = None,
+    below: float | None = None,
+    high: float | None = None,
+    optional: bool = False,
+) -> None:
+    """``name=value`` must be a number in the given bounds (``above``/``below`` exclusive,
+    ``low``/``high`` inclusive)."""
+    if value is None and optional:
+        return
+    rules = [f"more than {above}" if above is not None else "", f"at least {low}" if low is not None else ""]
+    rules.append(f"less than {below}" if below is not None else "")
+    rules.append(f"at most {high}" if high is not None else "")
+    rule = " and ".join(r for r in rules if r)
+    ok = _is_number(value)
+    ok = ok and (above is None or value > above) and (low is None or value >= low)
+    ok = ok and (below is None or value < below) and (high is None or value <= high)
+    if not ok:
+        null = " (or null)" if optional else ""
+        raise ConfigError(f"{name}={_show(value)}: must be a number {rule}{null}")
+
+
+def register_pass(group: str, name: str, node: type) -> None:
+    """Register a pass's config dataclass as ``<name>_schema`` in ``group``.
+
+    A YAML option in ``configs/<group>/`` then lists ``<name>_schema`` first in its defaults,
+    which makes Hydra type-check every key of that option.
+    """
+    ConfigStore.instance().store(group=group, name=f"{name}_schema", node=node)
