@@ -115,3 +115,16 @@ def token_windows(
     windows = ids[: available * config.seq_len].reshape(available, config.seq_len)
     chosen = np.random.default_rng(config.seed).choice(available, size=config.num_samples, replace=False)
     return windows[np.sort(chosen)]
+
+
+def calibration_feeds(windows: np.ndarray, io: Any) -> Any:
+    """Graph feeds for each token window: a one-row prefill with an empty KV cache."""
+    dtype = np.dtype(io.kv_dtype)
+    empty = np.zeros((1, io.num_kv_heads, 0, io.head_dim), dtype=dtype)
+    for window in windows:
+        ids = window[None].astype(np.int64)
+        feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        if io.has_position_ids:
+            feed["position_ids"] = np.arange(ids.shape[1], dtype=np.int64)[None]
+        feed.update({name: empty for name in io.past_names()})
+        yield feed

@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from passes.fp8 import PARITY_PROMPT
 from pipeline.core.artifacts import Artifact, Kind, read_metadata, write_metadata
 from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
 from pipeline.core.errors import PassError
 from pipeline.core.graph_io import check_data_files, link_folder_files, load_proto, save_graph
-from pipeline.runtime.parity import compare_graphs
+from pipeline.runtime.parity import PARITY_PROMPT_TEXT, compare_graphs
 
 
 @dataclass
@@ -95,7 +94,7 @@ class Fp16Pass(Pass):
 
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
         check_data_files(result.path, self.name)
-        agreement = compare_graphs(source.path, result.path, PARITY_PROMPT)
+        agreement = compare_graphs(source.path, result.path, PARITY_PROMPT_TEXT)
         if not agreement["finite"]:
             raise PassError("fp16: the fp16 graph produced non-finite logits on a fixed prompt")
         if agreement["top1_agreement"] < self.config.min_top1_agreement:

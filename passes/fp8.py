@@ -49,7 +49,14 @@ from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, as_calibration, recorded, shard, token_windows
+from calibration.datasets import (
+    CalibrationConfig,
+    as_calibration,
+    calibration_feeds,
+    recorded,
+    shard,
+    token_windows,
+)
 from calibration.observers import DEFAULT_BINS, FP8_E4M3, Observer, TensorStats, channel_amax, compute_amax
 from passes.selection import check_patterns, select_modules
 from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
@@ -66,7 +73,7 @@ from pipeline.core.graph_io import (
     new_initializer,
     save_graph,
 )
-from pipeline.runtime.parity import compare_graphs
+from pipeline.runtime.parity import PARITY_PROMPT_TEXT, compare_graphs
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +81,6 @@ MIN_OPSET = 19  # FLOAT8E4M3FN QuantizeLinear/DequantizeLinear
 DATA_FILE = "model.onnx.data"
 STATS_FILE = "extras/calibration/activations.json"
 ZERO_POINT = "fp8_e4m3fn_zero_point"
-PARITY_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, there was"
 
 
 class WeightObserver(enum.StrEnum):
@@ -114,19 +120,6 @@ def activation_labels(graph: Any, linear_weights: dict[str, str]) -> dict[str, s
     for node in linear_matmuls(graph, linear_weights).values():
         labels.setdefault(node.input[0], f"{node.name} input")
     return labels
-
-
-def calibration_feeds(windows: np.ndarray, io: Any) -> Any:
-    """Graph feeds for each token window: a one-row prefill with an empty KV cache."""
-    dtype = np.dtype(io.kv_dtype)
-    empty = np.zeros((1, io.num_kv_heads, 0, io.head_dim), dtype=dtype)
-    for window in windows:
-        ids = window[None].astype(np.int64)
-        feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-        if io.has_position_ids:
-            feed["position_ids"] = np.arange(ids.shape[1], dtype=np.int64)[None]
-        feed.update({name: empty for name in io.past_names()})
-        yield feed
 
 
 def load_stats(folder: Path) -> dict[str, TensorStats]:
@@ -351,7 +344,7 @@ class Fp8QdqPass(Pass):
         problems = verify_qdq(onnx.load(str(model_path), load_external_data=False), result.metadata)
         if problems:
             raise PassError(f"fp8-qdq: {problems[0]} ({len(problems)} problem(s))")
-        agreement = compare_graphs(source.path, result.path, PARITY_PROMPT)
+        agreement = compare_graphs(source.path, result.path, PARITY_PROMPT_TEXT)
         if not agreement["finite"]:
             raise PassError("fp8-qdq: the quantized graph produced non-finite logits on a fixed prompt")
         if agreement["top1_agreement"] < self.config.min_top1_agreement:

@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from passes.formats.int8 import activation_scale, weight_params
 from passes.selection import check_patterns, matches, select_modules
 from passes.smoothquant import (
     read_activations,
@@ -76,15 +77,12 @@ from pipeline.core.graph_io import (
     new_initializer,
     save_graph,
 )
-from pipeline.runtime.parity import compare_graphs
+from pipeline.runtime.parity import PARITY_PROMPT_TEXT, compare_graphs
 
 log = logging.getLogger(__name__)
 
-QMAX = 127
 W8A8_KERNELS = ("MatMulIntegerToFloat", "QLinearMatMul")  # com.microsoft / ONNX integer MatMuls
 WEIGHT_ONLY_KERNEL = "MatMulNBits"  # com.microsoft, bits=8
-# ensures compares the graph with its input on this prompt (the export pass's parity prompt).
-PROBE_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, there was"
 
 
 # Linear layers whose activations stay fp32 by default (INT8 weights only); see the module docstring.
@@ -100,24 +98,6 @@ class Int8QDQConfig:
     weight_only: list[str] = field(default_factory=lambda: list(DEFAULT_WEIGHT_ONLY))
     # ensures: ONNX Runtime must lower every quantized MatMul to an integer kernel.
     check_lowering: bool = True
-
-
-# --------------------------------------------------------------------------------------------
-# The math (numpy)
-
-
-def weight_params(weight_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-output-channel symmetric INT8 of a [in, out] weight: (int8 codes [in, out], scales [out])."""
-    weight_t = np.asarray(weight_t, dtype=np.float32)
-    absmax = np.abs(weight_t).max(axis=0)
-    scale = np.where(absmax > 0, absmax / QMAX, 1.0).astype(np.float32)
-    codes = np.clip(np.rint(weight_t / scale), -QMAX, QMAX).astype(np.int8)
-    return codes, scale
-
-
-def activation_scale(absmax: float) -> np.float32:
-    """Static per-tensor symmetric INT8 scale of an activation whose calibrated range is ``absmax``."""
-    return np.float32(absmax / QMAX) if absmax > 0 else np.float32(1.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,7 +278,7 @@ class Int8QDQPass(Pass):
 
     def ensures(self, source: Artifact, result: Artifact) -> dict[str, Any]:
         check_data_files(result.path, "int8")
-        vs_input = compare_graphs(source.path, result.path, PROBE_PROMPT)
+        vs_input = compare_graphs(source.path, result.path, PARITY_PROMPT_TEXT)
         if not vs_input["finite"]:
             raise PassError("int8: the quantized graph gives non-finite logits on a short prompt")
         quantization = result.metadata["quantization"]

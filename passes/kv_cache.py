@@ -41,8 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, as_calibration, recorded, token_windows
-from passes.fp8 import calibration_feeds
+from calibration.datasets import CalibrationConfig, as_calibration, calibration_feeds, recorded, token_windows
 from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
 from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
