@@ -4,10 +4,14 @@ export and its ort-cpu engine, each made once per test session."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.base import Pass
+from pipeline.core.cache import Cache
+from pipeline.core.manager import PassManager
 
 TOKENIZER_TEXT = (
     "The quick brown fox jumps over the lazy dog. Once upon a time, there was a small model "
@@ -15,6 +19,14 @@ TOKENIZER_TEXT = (
     "and the cache keeps keys and values of every past token. 0123456789 +-*/=()[]{}<>"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+
+
+def run_pass(step: Pass, source: Artifact, cache_root: Path) -> tuple[Artifact, dict[str, Any]]:
+    """Run ``step`` on ``source`` as a recipe runs it: the real pass manager validates it (kinds,
+    calibration processes, preflight), then requires, run in a staging folder, ensures and commit,
+    into a throwaway cache at ``cache_root``. (The output artifact in the cache, its metrics.)"""
+    artifact, (record,) = PassManager([step], Cache(cache_root), final_kind=None).run(source)
+    return artifact, record.metrics
 
 
 def make_tokenizer(folder: Path) -> None:
@@ -81,18 +93,14 @@ def tiny_source(tiny_llama: Path) -> Artifact:
 def tiny_graph(tiny_source: Artifact, tmp_path_factory: pytest.TempPathFactory) -> Artifact:
     from passes.export import ExportPass
 
-    out = tmp_path_factory.mktemp("tiny-graph")
-    ExportPass().run(tiny_source, out)
-    return Artifact.from_dir(Kind.GRAPH, out)
+    return run_pass(ExportPass(), tiny_source, tmp_path_factory.mktemp("tiny-graph"))[0]
 
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_graph: Artifact, tmp_path_factory: pytest.TempPathFactory) -> Artifact:
     from passes.ort_build import OrtCpuBuildPass
 
-    out = tmp_path_factory.mktemp("tiny-engine")
-    OrtCpuBuildPass().run(tiny_graph, out)
-    return Artifact.from_dir(Kind.ENGINE, out)
+    return run_pass(OrtCpuBuildPass(), tiny_graph, tmp_path_factory.mktemp("tiny-engine"))[0]
 
 
 def genai_greedy_tokens(engine_folder: Path, prompt: list[int], new_tokens: int) -> list[int]:

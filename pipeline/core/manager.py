@@ -109,12 +109,16 @@ def placement_of(step: Pass) -> dict[str, str]:
 
 
 class PassManager:
-    def __init__(self, passes: list[Pass], cache: Cache) -> None:
+    """Runs a validated list of passes through ``cache``. ``final_kind``: what the list must end
+    with (an engine for a recipe; None for a part of one, as the tests run single passes)."""
+
+    def __init__(self, passes: list[Pass], cache: Cache, final_kind: Kind | None = Kind.ENGINE) -> None:
         self.passes = passes
         self.cache = cache
+        self.final_kind = final_kind
 
     def run(self, source: Artifact) -> tuple[Artifact, list[PassRecord]]:
-        validate(self.passes, source.kind)
+        validate(self.passes, source.kind, self.final_kind)
         records: list[PassRecord] = []
         current = source
         for index, step in enumerate(self.passes, start=1):

@@ -24,7 +24,7 @@ from passes.int4 import EXTRAS_DIR, first_layer_inputs
 from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.errors import ConfigError
 from pipeline.core.torch_model import load_causal_lm, load_tokenizer, untie_lm_head
-from tests.conftest import make_tiny_llama
+from tests.conftest import make_tiny_llama, run_pass
 
 CALIBRATION = {"num_samples": 8, "seq_len": 64}
 IDS = torch.tensor([[1, 5, 9, 42, 7, 100, 3, 64, 200, 11]])
@@ -180,9 +180,8 @@ def test_awq_layer_output_error_is_lower_than_round_to_nearest(
 ) -> None:
     """Decoder-layer output MSE on calibration inputs: AWQ's weights vs RTN of the same weights."""
     step = AwqPass(group_size=32, calibration=CALIBRATION, exclude=["lm_head"], grid=10)
-    step.run(outlier_llama, tmp_path)
-    step.ensures(outlier_llama, Artifact.from_dir(Kind.TORCH, tmp_path))
-    original, awq = load_causal_lm(outlier_llama.path), load_causal_lm(tmp_path)
+    result, _ = run_pass(step, outlier_llama, tmp_path)
+    original, awq = load_causal_lm(outlier_llama.path), load_causal_lm(result.path)
     rtn = load_causal_lm(outlier_llama.path)
     with torch.no_grad():
         for name, module in rtn.named_modules():

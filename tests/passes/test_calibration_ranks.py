@@ -18,8 +18,10 @@ from passes.gptq import GptqPass
 from passes.int4 import EXTRAS_DIR
 from passes.smoothquant import SmoothQuantPass, read_activations
 from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.base import Pass
 from pipeline.core.errors import ConfigError, PassError
 from pipeline.core.manager import validate
+from tests.conftest import run_pass
 
 INT4_CALIBRATION = {"num_samples": 16, "seq_len": 64}  # 2 batches of 8 windows: one a process
 TWO_INT4 = {**INT4_CALIBRATION, "num_processes": 2}
@@ -27,13 +29,8 @@ SMOOTH_CALIBRATION = {"num_samples": 4, "seq_len": 32}
 SMOOTH = {"alpha": 0.6, "weight_only": [], "batch_size": 2}
 
 
-def run(step: object, source: Artifact, out: Path) -> tuple[Artifact, dict]:
-    step.requires(source)  # type: ignore[attr-defined]
-    out.mkdir()
-    metrics = step.run(source, out)  # type: ignore[attr-defined]
-    result = Artifact.from_dir(Kind.TORCH, out)
-    step.ensures(source, result)  # type: ignore[attr-defined]
-    return result, metrics
+def run(step: Pass, source: Artifact, out: Path) -> tuple[Artifact, dict]:
+    return run_pass(step, source, out)
 
 
 def same_int4(one: Artifact, two: Artifact) -> float:

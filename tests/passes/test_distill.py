@@ -33,6 +33,9 @@ def distill(
     placement: ResolvedPlacement | None = None,
     **config: object,
 ) -> tuple[Artifact, dict]:
+    """The pass run by hand, not through the manager (``run_pass``): the manager gives a pass
+    the checkpoint folder of its cache key, and these tests choose it, to interrupt a run and
+    resume it under another launcher, strategy or output folder."""
     step = DistillPass(**{**SMALL, **config})
     step.checkpoint_dir = checkpoints
     if placement is not None:

@@ -9,22 +9,18 @@ import onnx
 import pytest
 
 from passes.fp16 import Fp16Pass
-from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.artifacts import Artifact
 from pipeline.core.errors import PassError
 from pipeline.core.graph_io import load_proto
 from pipeline.core.lint import lint
 from pipeline.core.plugins import build_passes
+from tests.conftest import run_pass
 from tests.pipeline.recipe import compose_recipe
 
 
 @pytest.fixture(scope="module")
 def fp16_graph(tiny_graph: Artifact, tmp_path_factory: pytest.TempPathFactory) -> tuple[Artifact, dict]:
-    out = tmp_path_factory.mktemp("fp16") / "graph"
-    out.mkdir()
-    step = Fp16Pass()
-    metrics = step.run(tiny_graph, out)
-    result = Artifact.from_dir(Kind.GRAPH, out)
-    return result, {**metrics, **step.ensures(tiny_graph, result)}
+    return run_pass(Fp16Pass(), tiny_graph, tmp_path_factory.mktemp("fp16"))
 
 
 def test_weights_are_half_and_io_stays_as_the_runtime_expects(fp16_graph: tuple[Artifact, dict]) -> None:

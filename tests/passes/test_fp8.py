@@ -26,19 +26,15 @@ from pipeline.core.errors import PassError
 from pipeline.core.graph_io import load_proto
 from pipeline.runtime import Engine, GenerationConfig
 from pipeline.runtime.ort import OrtModel
+from tests.conftest import run_pass as run_through_manager
 
 REPO = Path(__file__).resolve().parents[2]
 CALIBRATION = {"num_samples": 4, "seq_len": 32}
 
 
 def run_pass(step, source: Artifact, out: Path) -> Artifact:
-    """What the manager does on a cache miss: requires, run, ensures."""
-    step.requires(source)
-    out.mkdir(parents=True)
-    step.run(source, out)
-    result = Artifact.from_dir(step.produces, out)
-    step.ensures(source, result)
-    return result
+    """The pass run by the pass manager, in a throwaway cache at ``out``."""
+    return run_through_manager(step, source, out)[0]
 
 
 @pytest.fixture(scope="module")

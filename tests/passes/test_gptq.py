@@ -16,7 +16,7 @@ from passes.int4 import EXTRAS_DIR, first_layer_inputs, input_hooks
 from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.errors import CalibrationError
 from pipeline.core.torch_model import load_causal_lm
-from tests.conftest import make_tiny_llama
+from tests.conftest import make_tiny_llama, run_pass
 
 CALIBRATION = {"num_samples": 8, "seq_len": 64}
 
@@ -77,13 +77,9 @@ def test_gptq_beats_round_to_nearest_on_tiny_llama_activations(tiny_llama: Path)
 
 @pytest.fixture(scope="module")
 def gptq_model(tiny_source: Artifact, tmp_path_factory: pytest.TempPathFactory) -> Artifact:
-    out = tmp_path_factory.mktemp("gptq")
     step = GptqPass(group_size=32, calibration=CALIBRATION)
-    step.requires(tiny_source)
-    metrics = step.run(tiny_source, out)
+    result, metrics = run_pass(step, tiny_source, tmp_path_factory.mktemp("gptq"))
     assert metrics["quantized_layers"] == 15 and metrics["untied_lm_head"]
-    result = Artifact.from_dir(Kind.TORCH, out)
-    step.ensures(tiny_source, result)
     return result
 
 

@@ -29,11 +29,12 @@ from passes.formats.int4 import (
 from passes.gptq import GptqPass
 from passes.int4 import EXTRAS_DIR, TorchInt4Pass
 from passes.recipes import Int4GptqRecipe
-from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.artifacts import Artifact
 from pipeline.core.errors import ConfigError
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 from pipeline.core.plugins import build_passes
 from pipeline.core.torch_model import load_causal_lm, load_tokenizer, untie_lm_head
+from tests.conftest import run_pass
 from tests.pipeline.recipe import compose_recipe
 
 
@@ -256,10 +257,9 @@ def run_streamed(
         return module
 
     monkeypatch.setattr(StreamedCheckpoint, "materialize", counting)
-    metrics = step.run(source, out)
-    step.ensures(source, Artifact.from_dir(Kind.TORCH, out))
+    result, metrics = run_pass(step, source, out)
     assert max(resident) == 1 and resident.count(1) == 2  # each of the 2 blocks alone, once
-    return metrics, load_params(out / EXTRAS_DIR / INT4_DIR)[1]
+    return metrics, load_params(result.path / EXTRAS_DIR / INT4_DIR)[1]
 
 
 def assert_same_parameters(streamed: dict[str, QuantizedLinear], whole: dict[str, QuantizedLinear]) -> None:

@@ -32,6 +32,7 @@ from pipeline.core.graph_io import load_proto
 from pipeline.core.plugins import build_passes
 from pipeline.core.torch_model import load_causal_lm, load_tokenizer
 from pipeline.runtime.ort import OrtModel
+from tests.conftest import run_pass
 from tests.pipeline.recipe import compose_recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,12 +56,7 @@ def fp32_graph(smoothed: Artifact, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def int8_graph(fp32_graph: Artifact, tmp_path_factory: pytest.TempPathFactory) -> tuple[Artifact, dict]:
-    out = tmp_path_factory.mktemp("int8-graph")
-    step = Int8QDQPass()
-    step.requires(fp32_graph)
-    metrics = step.run(fp32_graph, out)
-    result = Artifact.from_dir(Kind.GRAPH, out)
-    return result, {**metrics, **step.ensures(fp32_graph, result)}
+    return run_pass(Int8QDQPass(), fp32_graph, tmp_path_factory.mktemp("int8-graph"))
 
 
 def load(artifact: Artifact) -> onnx.GraphProto:

@@ -18,7 +18,7 @@ from pipeline.core.errors import EngineError, PassError
 from pipeline.core.graph_io import load_proto
 from pipeline.runtime.generate import GenerationConfig
 from pipeline.runtime.ort import Engine, OrtModel
-from tests.conftest import genai_greedy_tokens
+from tests.conftest import genai_greedy_tokens, run_pass
 
 WINDOW = 4
 
@@ -37,13 +37,7 @@ def layout(graph: Artifact, out: Path, fuse: bool = True, **config: object) -> A
 
 
 def build(graph: Artifact, out: Path, **config: object) -> Artifact:
-    step = OrtCpuBuildPass(**config)
-    step.requires(graph)
-    out.mkdir()
-    step.run(graph, out)
-    engine = Artifact.from_dir(Kind.ENGINE, out)
-    step.ensures(graph, engine)
-    return engine
+    return run_pass(OrtCpuBuildPass(**config), graph, out)[0]
 
 
 def with_io(engine: Artifact, folder: Path, **io: object) -> Path:

@@ -27,6 +27,7 @@ from pipeline.core.engine import graph_io
 from pipeline.core.errors import ConfigError, PassError
 from pipeline.core.graph_io import load_proto
 from pipeline.core.torch_model import load_causal_lm
+from tests.conftest import run_pass
 from tests.pipeline.test_main import pipeline_command
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,11 +39,7 @@ GROUP = 32
 def lower(graph: Artifact, out: Path, **config: object) -> Artifact:
     """Lower with fp32 compute (accuracy_level=0) unless told otherwise: exact against torch."""
     step = Int4LoweringPass(**{"group_size": GROUP, "accuracy_level": 0, **config})
-    step.requires(graph)
-    step.run(graph, out)
-    result = Artifact.from_dir(Kind.GRAPH, out)
-    step.ensures(graph, result)
-    return result
+    return run_pass(step, graph, out)[0]
 
 
 @pytest.fixture(scope="module")

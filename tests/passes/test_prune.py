@@ -13,7 +13,7 @@ from passes.prune import PruneConfig, PrunePass, Shape, kept_heads, target_shape
 from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.errors import PassError
 from pipeline.core.placement import ResolvedPlacement
-from tests.conftest import make_tiny_llama
+from tests.conftest import make_tiny_llama, run_pass
 
 CALIBRATION = {"num_samples": 4, "seq_len": 32}
 
@@ -24,13 +24,7 @@ def prune(
     step = PrunePass(calibration=CALIBRATION, **ratios)
     if placement is not None:
         step.placement = placement
-    artifact = Artifact.from_dir(Kind.TORCH, source)
-    step.requires(artifact)
-    out.mkdir()
-    metrics = step.run(artifact, out)
-    result = Artifact.from_dir(Kind.TORCH, out)
-    step.ensures(artifact, result)
-    return result, metrics
+    return run_pass(step, Artifact.from_dir(Kind.TORCH, source), out)
 
 
 def test_every_dimension_pruned_gives_a_consistent_checkpoint(tiny_llama: Path, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.errors import CalibrationError, ConfigError, PassError
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 from pipeline.core.torch_model import load_causal_lm, load_tokenizer
-from tests.conftest import make_tiny_llama
+from tests.conftest import make_tiny_llama, run_pass
 
 CALIBRATION = {"num_samples": 4, "seq_len": 32}
 ALPHA = 0.6
@@ -32,11 +32,7 @@ ALPHA = 0.6
 
 def smooth(source: Artifact, out: Path, **config: object) -> tuple[Artifact, dict]:
     step = SmoothQuantPass(**{"alpha": ALPHA, "calibration": CALIBRATION, "weight_only": [], **config})
-    step.requires(source)
-    metrics = step.run(source, out)
-    result = Artifact.from_dir(Kind.TORCH, out)
-    step.ensures(source, result)
-    return result, metrics
+    return run_pass(step, source, out)
 
 
 @pytest.fixture(scope="module")

@@ -18,28 +18,17 @@ from pipeline.core.errors import PassError
 from pipeline.core.graph_io import load_proto
 from pipeline.runtime.generate import GenerationConfig
 from pipeline.runtime.ort import Engine, OrtModel
-from tests.conftest import genai_greedy_tokens
+from tests.conftest import genai_greedy_tokens, run_pass
 
 
 @pytest.fixture(scope="module")
 def fused_graph(tiny_graph: Artifact, tmp_path_factory: pytest.TempPathFactory) -> tuple[Artifact, dict]:
-    out = tmp_path_factory.mktemp("fused-graph")
-    fusion = FusionPass()
-    fusion.requires(tiny_graph)
-    metrics = fusion.run(tiny_graph, out)
-    result = Artifact.from_dir(Kind.GRAPH, out)
-    metrics.update(fusion.ensures(tiny_graph, result))
-    return result, metrics
+    return run_pass(FusionPass(), tiny_graph, tmp_path_factory.mktemp("fused-graph"))
 
 
 @pytest.fixture(scope="module")
 def fused_engine(fused_graph: tuple[Artifact, dict], tmp_path_factory: pytest.TempPathFactory) -> Artifact:
-    out = tmp_path_factory.mktemp("fused-engine")
-    build = OrtCpuBuildPass()
-    build.run(fused_graph[0], out)
-    engine = Artifact.from_dir(Kind.ENGINE, out)
-    build.ensures(fused_graph[0], engine)
-    return engine
+    return run_pass(OrtCpuBuildPass(), fused_graph[0], tmp_path_factory.mktemp("fused-engine"))[0]
 
 
 def test_the_pass_records_rewrites_and_parity(fused_graph: tuple[Artifact, dict]) -> None:
