@@ -37,7 +37,7 @@ class CalibrationConfig:
     num_processes: int = 1
     collective_timeout_s: float = 300.0
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if not (isinstance(self.num_processes, int) and self.num_processes >= 1):
             raise CalibrationError(f"calibration.num_processes={self.num_processes!r} must be 1 or more")
         if not self.collective_timeout_s > 0:
@@ -71,14 +71,6 @@ def shard(
         )
     bounds = [part[0] * batch_size for part in np.array_split(np.arange(batches), world)] + [len(windows)]
     return windows[bounds[rank] : bounds[rank + 1]]
-
-
-def as_calibration(value: Any) -> CalibrationConfig:
-    """A CalibrationConfig from itself, a mapping (Hydra's instantiate hands nested configs over
-    as dicts) or None (the defaults)."""
-    if isinstance(value, CalibrationConfig):
-        return value
-    return CalibrationConfig(**dict(value or {}))
 
 
 @cache

@@ -102,8 +102,8 @@ class AwqConfig(TorchInt4Config):
     # Weight-range clipping search after scaling (the paper's auto_clip).
     clip: bool = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
+        super().validate()
         validate_awq(self)
 
 

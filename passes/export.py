@@ -124,7 +124,7 @@ class ExportConfig:
     # The pass fails when ONNX Runtime's greedy token differs from torch's on more positions.
     min_top1_agreement: float = 0.99
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         # torch's ONNX exporter writes opset 18 and up; ONNX Runtime 1.32 runs up to 23.
         if not MIN_OPSET <= self.opset <= MAX_OPSET:
             raise PassError(

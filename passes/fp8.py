@@ -51,7 +51,6 @@ import numpy as np
 
 from calibration.datasets import (
     CalibrationConfig,
-    as_calibration,
     calibration_feeds,
     recorded,
     shard,
@@ -138,9 +137,6 @@ class CalibrateConfig:
     # Opset the recipe will need, checked before the (long) calibration run.
     min_opset: int = MIN_OPSET
     recipe: str = "quant=fp8"
-
-    def __post_init__(self) -> None:
-        self.calibration = as_calibration(self.calibration)
 
 
 class CalibratePass(CalibratesInRanks, Pass):

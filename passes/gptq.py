@@ -47,8 +47,8 @@ class GptqConfig(TorchInt4Config):
     # Quantize columns by decreasing Hessian diagonal (static groups).
     act_order: bool = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
+        super().validate()
         if not 0 <= self.damp_percent <= 1:
             raise ConfigError(f"quant.damp_percent={self.damp_percent}: must be between 0 and 1")
 

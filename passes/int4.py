@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, as_calibration, shard
+from calibration.datasets import CalibrationConfig, shard
 from calibration.streaming import ForwardTime, LayerInputs, capture_first_block_inputs
 from passes.export import EXTRAS_DIR  # export copies extras/ into the graph artifact
 from passes.formats.int4 import (
@@ -176,8 +176,7 @@ CALIBRATION_BATCH = 8  # windows per forward: bounds activation memory, keeps ma
 class TorchInt4Config(Int4Settings):
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
-    def __post_init__(self) -> None:
-        self.calibration = as_calibration(self.calibration)
+    def validate(self) -> None:
         validate_settings(self)
 
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, as_calibration, calibration_feeds, recorded, token_windows
+from calibration.datasets import CalibrationConfig, calibration_feeds, recorded, token_windows
 from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
 from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
@@ -95,6 +95,18 @@ class KvCacheConfig:
     # Text the int8/fp8 scales are calibrated on (unused for fp32/fp16).
     calibration: CalibrationConfig = field(default_factory=_kv_calibration)
 
+    def validate(self) -> None:
+        if self.window < 0 or self.window == 1:
+            raise PassError(f"kv_cache.window={self.window}: use 0 (unbounded) or at least 2 positions")
+        if self.paged_block_size < 0:
+            raise PassError(f"kv_cache.paged_block_size={self.paged_block_size} must be >= 0")
+        if self.dtype == KvDtype.fp8 and self.layout == Layout.shared:
+            raise PassError(
+                "kv_cache.dtype=fp8 needs layout=concat: the fp8 cache is Q/DQ between past and present, "
+                "which a shared buffer updated in place has no room for (GroupQueryAttention's own fp8 "
+                "cache has no CPU kernel); use kv_cache=concat, or kv_cache.dtype=int8 with layout=shared"
+            )
+
 
 register_pass("kv_cache", "kv_cache", KvCacheConfig)
 
@@ -108,22 +120,6 @@ class KvCachePass(Pass):
     memory_profile = "graph"  # files linked; int8/fp8 calibrate in an ONNX Runtime session
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
-
-    def __init__(self, **config: Any) -> None:
-        super().__init__(**config)
-        if self.config.window < 0 or self.config.window == 1:
-            raise PassError(
-                f"kv_cache.window={self.config.window}: use 0 (unbounded) or at least 2 positions"
-            )
-        if self.config.paged_block_size < 0:
-            raise PassError(f"kv_cache.paged_block_size={self.config.paged_block_size} must be >= 0")
-        if self.config.dtype == KvDtype.fp8 and self.config.layout == Layout.shared:
-            raise PassError(
-                "kv_cache.dtype=fp8 needs layout=concat: the fp8 cache is Q/DQ between past and present, "
-                "which a shared buffer updated in place has no room for (GroupQueryAttention's own fp8 "
-                "cache has no CPU kernel); use kv_cache=concat, or kv_cache.dtype=int8 with layout=shared"
-            )
-        self.config.calibration = as_calibration(self.config.calibration)
 
     def drift_family(self) -> str:
         """A cache stored in fewer bits moves the attention it feeds: bits16 / bits8."""

@@ -70,7 +70,7 @@ class Int4LoweringConfig(Int4Settings, Int4LoweringSettings):
     # Fail when stored-parameter lowering changes the greedy token on more prompt positions.
     min_top1_agreement: float = 0.99
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         self.lowering = Lowering(self.lowering)
         validate_settings(self)
 

@@ -65,7 +65,7 @@ class OrtCpuTargetConfig:
     # Longest prompt + generation the engine accepts (0: the model's context length).
     max_length: int = 0
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         for knob in ("intra_op_num_threads", "max_length"):
             if getattr(self, knob) < 0:
                 raise PassError(f"target.{knob}={getattr(self, knob)}: must be 0 (the default) or more")

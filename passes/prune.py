@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, as_calibration, token_windows
+from calibration.datasets import CalibrationConfig, token_windows
 from pipeline.core.artifacts import Artifact, Kind, write_metadata
 from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
@@ -65,9 +65,6 @@ class PruneConfig:
     depth_ratio: float = 0.0  # decoder layers
     calibration: CalibrationConfig = field(default_factory=lambda: CalibrationConfig(num_samples=32))
     batch_size: int = 8
-
-    def __post_init__(self) -> None:  # Hydra hands the nested config over as a dict
-        self.calibration = as_calibration(self.calibration)
 
 
 register_pass("prune", "prune", PruneConfig)

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from calibration.datasets import CalibrationConfig, as_calibration
+from calibration.datasets import CalibrationConfig
 from calibration.observers import DEFAULT_BINS, Observer
 from passes.awq import AwqPass, Objective
 from passes.fp8 import CalibratePass, Fp8QdqPass, WeightObserver
@@ -21,8 +21,9 @@ from passes.gptq import GptqPass
 from passes.int4 import Int4LoweringSettings, Int4Settings, TorchInt4Pass, validate_settings
 from passes.int8 import DEFAULT_WEIGHT_ONLY, Int8QDQPass
 from passes.matmulnbits import Int4LoweringPass
-from passes.sensitivity import FallbackSettings, WeightFormat, sensitivity_pass
-from passes.smoothquant import SmoothQuantPass, validate
+from passes.sensitivity import FallbackSettings, WeightFormat, sensitivity_pass, validate_fallback
+from passes.smoothquant import SmoothQuantPass
+from passes.smoothquant import validate as validate_smoothquant
 from pipeline.core.base import Pass, Recipe
 from pipeline.core.config import register_pass
 
@@ -34,9 +35,9 @@ from pipeline.core.config import register_pass
 class Int4RecipeConfig(Int4Settings, Int4LoweringSettings, FallbackSettings):
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
-    def __post_init__(self) -> None:
-        # No validation here: Hydra wraps constructor errors; Recipe.passes() raises them plainly.
-        self.calibration = as_calibration(self.calibration)
+    def validate(self) -> None:
+        validate_settings(self)
+        validate_fallback(self)
 
 
 def _subset(config: Any, target: type) -> dict[str, Any]:
@@ -54,7 +55,6 @@ class Int4Recipe(Recipe):
     torch_pass: ClassVar[type[TorchInt4Pass]]
 
     def passes(self) -> list[Pass]:
-        validate_settings(self.config)
         scan = sensitivity_pass(
             self.config,
             weight=WeightFormat.int4,
@@ -141,8 +141,9 @@ class Int8Config(FallbackSettings):
     # ensures: ONNX Runtime must lower every quantized MatMul to an integer kernel.
     check_lowering: bool = True
 
-    def __post_init__(self) -> None:
-        self.calibration = as_calibration(self.calibration)
+    def validate(self) -> None:
+        validate_smoothquant(self)
+        validate_fallback(self)
 
 
 register_pass("quant", "int8", Int8Config)
@@ -154,7 +155,6 @@ class Int8Recipe(Recipe):
 
     def passes(self) -> list[Pass]:
         c = self.config
-        validate(c)
         scan = sensitivity_pass(
             c, weight=WeightFormat.int8, activations=True, weight_only=list(c.weight_only)
         )
@@ -207,8 +207,8 @@ class Fp8Config(FallbackSettings):
     # more positions of a fixed prompt: a guard against broken graphs, not a quality gate.
     min_top1_agreement: float = 0.5
 
-    def __post_init__(self) -> None:  # Hydra's instantiate hands nested configs over as dicts
-        self.calibration = as_calibration(self.calibration)
+    def validate(self) -> None:
+        validate_fallback(self)
 
 
 register_pass("quant", "fp8", Fp8Config)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from calibration.datasets import CalibrationConfig, as_calibration
+from calibration.datasets import CalibrationConfig
 from calibration.sensitivity import FallbackResult, LayerQuantizer, SensitivityProbe
 from passes.selection import FALLBACK_FILE, select_modules
 from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, link_tree, write_json, write_metadata
@@ -160,15 +160,13 @@ class SensitivityPassConfig:
     kl_budget: float = 0.02
     max_fallback_layers: int = 16
 
-    def __post_init__(self) -> None:
-        self.calibration = as_calibration(self.calibration)
-        self.sensitivity = as_sensitivity(self.sensitivity)
+    def validate(self) -> None:
         self.weight, self.fallback = WeightFormat(self.weight), Fallback(self.fallback)
 
 
 def sensitivity_pass(config: Any, **formats: Any) -> SensitivityPass | None:
-    """The scan for a recipe's flat config (``None`` when disabled), quantizing like ``formats``."""
-    validate_fallback(config)
+    """The scan for a recipe's flat config (``None`` when disabled; validated when the recipe was
+    built), quantizing like ``formats``."""
     if not scans(config):
         return None
     calibration = dict(

@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, as_calibration, recorded, shard, token_windows
+from calibration.datasets import CalibrationConfig, recorded, shard, token_windows
 from calibration.streaming import ForwardTime
 from passes.selection import check_patterns, matches
 from pipeline.core.artifacts import Artifact, Kind, write_json, write_metadata
@@ -100,9 +100,6 @@ class SmoothQuantConfig:
     batch_size: int = 8
     # Max |logit difference| of the saved smoothed model vs the input, relative to max |logit|.
     parity_tolerance: float = 1e-3
-
-    def __post_init__(self) -> None:
-        self.calibration = as_calibration(self.calibration)
 
 
 def validate(config: Any, where: str = "quant") -> None:

@@ -217,6 +217,16 @@ class FusionConfig:
     # The pass fails when fewer greedy tokens than this agree with the unfused graph.
     min_top1_agreement: float = 0.99
 
+    def validate(self) -> None:
+        unknown = [rule for rule in self.rules if rule not in RULE_FAMILIES]
+        if unknown:
+            raise PassError(
+                f"fusion.rules: unknown rule family {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(RULE_FAMILIES)}"
+            )
+        if not self.rules:
+            raise PassError("fusion.rules is empty: list rule families, or choose fusion=none")
+
 
 register_pass("fusion", "fusion", FusionConfig)  # fusion_schema: every target's rule set
 
@@ -228,17 +238,6 @@ class FusionPass(Pass):
     memory_profile = "graph"  # weights memory-mapped; only rewritten (packed) ones in memory
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
-
-    def __init__(self, **config: Any) -> None:
-        super().__init__(**config)
-        unknown = [rule for rule in self.config.rules if rule not in RULE_FAMILIES]
-        if unknown:
-            raise PassError(
-                f"fusion.rules: unknown rule family {', '.join(map(repr, unknown))}; "
-                f"known: {', '.join(RULE_FAMILIES)}"
-            )
-        if not self.config.rules:
-            raise PassError("fusion.rules is empty: list rule families, or choose fusion=none")
 
     def requires(self, source: Artifact) -> None:
         if not (source.path / MODEL_FILE).is_file():

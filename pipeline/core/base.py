@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.config import build_config
 from pipeline.core.errors import PassError
 from pipeline.core.placement import CPU_FLOAT32, Placement, ResolvedPlacement
 
@@ -85,7 +86,7 @@ class Pass(ABC):
 
     def __init__(self, **config: Any) -> None:
         try:
-            self.config = self.Config(**config)
+            self.config = build_config(self.Config, config)
         except TypeError as exc:  # unknown keyword: a recipe key the pass does not have
             raise PassError(f"pass '{self.name}': bad config ({exc})") from None
 
@@ -151,7 +152,7 @@ class Recipe(ABC):
 
     def __init__(self, **config: Any) -> None:
         try:
-            self.config = self.Config(**config)
+            self.config = build_config(self.Config, config)
         except TypeError as exc:
             raise PassError(f"recipe '{self.name}': bad config ({exc})") from None
 

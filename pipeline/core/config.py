@@ -1,12 +1,18 @@
 """What every config needs from the kernel: a pass registers its config dataclass as a Hydra
-schema (:func:`register_pass`), and a dataclass refuses a value out of range with one line naming
-the knob as the command line writes it (``check_int``, ``check_ints``, ``check_number``).
+schema (:func:`register_pass`); :func:`build_config` makes the config a pass is built with a tree
+of dataclasses and validates it once (each dataclass's ``validate()``); and a config refuses a
+value out of range with one line naming the knob as the command line writes it (``check_int``,
+``check_ints``, ``check_number``).
 The application's own schemas (model, bench, eval, registry, ...) are in ``pipeline/config.py``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from hydra.core.config_store import ConfigStore
 
@@ -82,3 +88,49 @@ def register_pass(group: str, name: str, node: type) -> None:
     which makes Hydra type-check every key of that option.
     """
     ConfigStore.instance().store(group=group, name=f"{name}_schema", node=node)
+
+
+T = TypeVar("T")
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass a field's type names (``X`` or ``X | None``), if any."""
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        found = [
+            arg for arg in typing.get_args(hint) if isinstance(arg, type) and dataclasses.is_dataclass(arg)
+        ]
+        return found[0] if len(found) == 1 else None
+    return None
+
+
+def _typed(cls: type[T], values: Mapping[str, Any]) -> T:
+    """``cls(**values)`` with each mapping given for a dataclass field made that dataclass."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in values.items():
+        nested = _dataclass_in(hints.get(name))
+        kwargs[name] = _typed(nested, value) if nested is not None and isinstance(value, Mapping) else value
+    return cls(**kwargs)
+
+
+def validate_tree(config: Any) -> None:
+    """Call ``validate()`` on every dataclass of ``config``, the nested ones first."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            validate_tree(value)
+    check = getattr(config, "validate", None)
+    if callable(check):
+        check()
+
+
+def build_config(cls: type[T], values: Mapping[str, Any]) -> T:
+    """The config a pass is built with: a tree of dataclasses whether ``values`` come from Hydra
+    (plain data: nested mappings) or from code (dataclasses or mappings), validated once. Hydra's
+    instantiate would hand nested configs over as dicts; building them here keeps every pass
+    config typed end to end. An unknown key raises TypeError (the caller names the pass)."""
+    config = _typed(cls, values)
+    validate_tree(config)
+    return config

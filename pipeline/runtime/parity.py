@@ -17,9 +17,9 @@ from pipeline.core.engine import graph_io
 from pipeline.core.graph_io import model_file
 from pipeline.runtime.ort import OrtModel
 
-# A fixed prompt of token ids below any vocabulary we build (the tiny test model has 320).
 # A fixed text for graphs that carry their tokenizer (the export pass's default parity prompt).
 PARITY_PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. Once upon a time, there was"
+# A fixed prompt of token ids below any vocabulary we build (the tiny test model has 320).
 PARITY_PROMPT_IDS = (1, 42, 7, 99, 3, 250, 17, 5, 64, 128, 11, 300, 23, 77, 9, 180)
 PARITY_DECODE_STEPS = 6
 

@@ -205,7 +205,7 @@ def test_awq_layer_output_error_is_lower_than_round_to_nearest(
     assert not torch.equal(
         awq.model.layers[0].input_layernorm.weight, original.model.layers[0].input_layernorm.weight
     )
-    _, layers = load_params(tmp_path / EXTRAS_DIR / INT4_DIR)
+    _, layers = load_params(result.path / EXTRAS_DIR / INT4_DIR)
     assert len(layers) == 14 and "lm_head" not in layers
     assert torch.equal(
         awq.model.layers[0].mlp.down_proj.weight, layers["model.layers.0.mlp.down_proj"].dequantize()

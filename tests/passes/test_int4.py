@@ -242,8 +242,9 @@ def saved_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def run_streamed(
     algorithm: str, source: Artifact, out: Path, placement: ResolvedPlacement, monkeypatch: pytest.MonkeyPatch
-) -> tuple[dict[str, Any], dict[str, QuantizedLinear]]:
-    """Run the pass; check it never holds two decoder blocks at once; its metrics and parameters."""
+) -> tuple[Path, dict[str, Any], dict[str, QuantizedLinear]]:
+    """Run the pass through the manager; check it never holds two decoder blocks at once; its
+    output folder, metrics and parameters."""
     cls, kwargs = STREAMED[algorithm]
     step = cls(**kwargs)
     step.placement = placement
@@ -259,7 +260,7 @@ def run_streamed(
     monkeypatch.setattr(StreamedCheckpoint, "materialize", counting)
     result, metrics = run_pass(step, source, out)
     assert max(resident) == 1 and resident.count(1) == 2  # each of the 2 blocks alone, once
-    return metrics, load_params(result.path / EXTRAS_DIR / INT4_DIR)[1]
+    return result.path, metrics, load_params(result.path / EXTRAS_DIR / INT4_DIR)[1]
 
 
 def assert_same_parameters(streamed: dict[str, QuantizedLinear], whole: dict[str, QuantizedLinear]) -> None:
@@ -274,17 +275,17 @@ def assert_same_parameters(streamed: dict[str, QuantizedLinear], whole: dict[str
 def test_streamed_pass_equals_the_whole_model(
     algorithm: str, tiny_source: Artifact, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    metrics, layers = run_streamed(algorithm, tiny_source, tmp_path, CPU_FLOAT32, monkeypatch)
+    output, metrics, layers = run_streamed(algorithm, tiny_source, tmp_path, CPU_FLOAT32, monkeypatch)
     state, reference = whole_model_reference(algorithm, tiny_source.path, CPU_FLOAT32)
     assert_same_parameters(layers, reference)  # bit for bit: the same ops in the same order
     assert metrics["quantized_layers"] == len(reference) == (15 if algorithm == "awq" else 14)
-    saved = saved_tensors(tmp_path)
+    saved = saved_tensors(output)
     tied = algorithm == "gptq"  # lm_head excluded: still tied, stored once
     assert set(saved) == set(state) - ({"lm_head.weight"} if tied else set())
     for name, value in saved.items():
         assert value.dtype == torch.float32 and torch.equal(value, state[name]), name
     # The output loads as a whole model again (sharded, with an index).
-    loaded = load_causal_lm(tmp_path)
+    loaded = load_causal_lm(output)
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) is tied
 
 
@@ -296,11 +297,11 @@ def test_the_pass_computes_on_the_placement(
     float32's (a pass ignoring the placement would give float32's); weights are saved in float32."""
     assert STREAMED[algorithm][0].placement_knobs == ("device", "torch_dtype")
     assert STREAMED[algorithm][0].memory_profile == "block"
-    _, layers = run_streamed(algorithm, tiny_source, tmp_path, BF16, monkeypatch)
+    output, _, layers = run_streamed(algorithm, tiny_source, tmp_path, BF16, monkeypatch)
     assert_same_parameters(layers, whole_model_reference(algorithm, tiny_source.path, BF16)[1])
     _, fp32 = whole_model_reference(algorithm, tiny_source.path, CPU_FLOAT32)
     assert any(not torch.equal(layers[name].codes, fp32[name].codes) for name in fp32)
-    saved = saved_tensors(tmp_path)
+    saved = saved_tensors(output)
     assert {v.dtype for v in saved.values()} == {torch.float32}
     # Tensors the pass does not change keep their stored float32 values (not rounded to bfloat16).
     original = load_causal_lm(tiny_source.path).state_dict()

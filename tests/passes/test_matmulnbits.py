@@ -176,32 +176,33 @@ def test_symmetric_qdq_is_signed_int4_without_zero_points(tiny_source: Artifact,
     (tmp_path / "graph").mkdir()
     ExportPass().run(torch_artifact, tmp_path / "graph")
     graph = Artifact.from_dir(Kind.GRAPH, tmp_path / "graph")
-    for lowering in ("qdq", "matmulnbits"):
-        (tmp_path / lowering).mkdir()
-        lower(graph, tmp_path / lowering, lowering=lowering, symmetric=True)
-    model = onnx.load(str(tmp_path / "qdq" / MODEL_FILE), load_external_data=False)
+    lowered = {
+        lowering: lower(graph, tmp_path / lowering, lowering=lowering, symmetric=True).path
+        for lowering in ("qdq", "matmulnbits")
+    }
+    model = onnx.load(str(lowered["qdq"] / MODEL_FILE), load_external_data=False)
     dq_nodes = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
-    inits = initializers(tmp_path / "qdq")
+    inits = initializers(lowered["qdq"])
     assert all(len(n.input) == 2 and inits[n.input[0]].data_type == TensorProto.INT4 for n in dq_nodes)
-    nbits = onnx.load(str(tmp_path / "matmulnbits" / MODEL_FILE), load_external_data=False)
+    nbits = onnx.load(str(lowered["matmulnbits"] / MODEL_FILE), load_external_data=False)
     assert all(len(n.input) == 3 for n in nbits.graph.node if n.op_type == "MatMulNBits")
     with torch.no_grad():
         reference = load_causal_lm(torch_artifact.path)(torch.from_numpy(PROMPT)).logits[0].numpy()
-    qdq = logits(tmp_path / "qdq", **{"session.qdq_matmulnbits_accuracy_level": "0"})
+    qdq = logits(lowered["qdq"], **{"session.qdq_matmulnbits_accuracy_level": "0"})
     np.testing.assert_allclose(qdq, reference, atol=1e-4, rtol=0)
-    np.testing.assert_allclose(logits(tmp_path / "matmulnbits"), reference, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits(lowered["matmulnbits"]), reference, atol=1e-4, rtol=0)
 
 
 def test_exclude_keeps_those_matmuls_in_fp32(quantized: dict[str, Artifact], tmp_path: Path) -> None:
     result = lower(quantized["graph"], tmp_path, exclude=["lm_head", "*.mlp.down_proj"])
-    model = onnx.load(str(tmp_path / MODEL_FILE), load_external_data=False)
+    model = onnx.load(str(result.path / MODEL_FILE), load_external_data=False)
     kept = {n.input[1] for n in model.graph.node if n.op_type == "MatMul"}
     fp32 = {
         "lm_head.weight_t",
         "model.layers.0.mlp.down_proj.weight_t",
         "model.layers.1.mlp.down_proj.weight_t",
     }
-    assert fp32 <= kept and fp32 <= set(initializers(tmp_path))
+    assert fp32 <= kept and fp32 <= set(initializers(result.path))
     assert sum(n.op_type == "MatMulNBits" for n in model.graph.node) == 12
     assert "lm_head" not in result.metadata["quantization"]["modules"]
 
@@ -210,11 +211,11 @@ def test_graph_without_stored_parameters_is_round_to_nearest(tiny_graph: Artifac
     result = lower(tiny_graph, tmp_path, exclude=["model.layers.*"])
     assert result.metadata["quantization"]["modules"] == {"lm_head": "rtn"}
     assert result.metadata["quantization"]["algorithm"] == "rtn"
-    inits = initializers(tmp_path)
+    inits = initializers(result.path)
     model = load_proto(tiny_graph.path, MODEL_FILE)
     weight_t = next(numpy_helper.to_array(i) for i in model.graph.initializer if i.name == "lm_head.weight_t")
     expected = quantize_rtn(torch.from_numpy(weight_t.T.copy()), GROUP, False)
-    loaded = load_proto(tmp_path, MODEL_FILE)
+    loaded = load_proto(result.path, MODEL_FILE)
     scales = next(
         numpy_helper.to_array(i) for i in loaded.graph.initializer if i.name == "lm_head.weight_scales"
     )

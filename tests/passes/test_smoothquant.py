@@ -21,6 +21,7 @@ from passes.smoothquant import (
     smooth_model,
 )
 from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.config import build_config
 from pipeline.core.errors import CalibrationError, ConfigError, PassError
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 from pipeline.core.torch_model import load_causal_lm, load_tokenizer
@@ -222,7 +223,7 @@ def whole_model_smoothquant(
     """Today's whole-model path, kept as functions: statistics from one forward of the whole model
     (on ``placement``), smoothing of the float32 weights. The state dict, the smoothed ranges and
     the unsmoothed ones."""
-    cfg = SmoothQuantConfig(**config)
+    cfg = build_config(SmoothQuantConfig, config)
     ids = token_windows(load_tokenizer(folder), cfg.calibration)
     compute = load_causal_lm(folder, placement=placement)
     stats, _ = collect_channel_absmax(compute, ids, cfg.batch_size)

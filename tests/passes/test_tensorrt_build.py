@@ -123,7 +123,7 @@ def test_requires_refuses_a_graph_with_ort_contrib_ops(tiny_graph: Artifact, tmp
         refused = r"TensorRT-compatible for target=.*: (contrib|unsupported)-op at node node_\w+ \("
         with pytest.raises(PassError, match=refused) as info:
             step.requires(fused)
-        assert "python -m pipeline.core.lint" in str(info.value) and "more)" in str(info.value)
+        assert "python -m pipeline.lint" in str(info.value) and "more)" in str(info.value)
     OrtTrtBuildPass(lint=False).requires(fused)  # ort-trt may leave those nodes to CUDA
     OrtCudaBuildPass().requires(fused)  # the CUDA EP runs contrib ops
 
