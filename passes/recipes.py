@@ -21,7 +21,7 @@ from passes.gptq import GptqPass
 from passes.int4 import Int4LoweringSettings, Int4Settings, TorchInt4Pass, validate_settings
 from passes.int8 import DEFAULT_WEIGHT_ONLY, Int8QDQPass
 from passes.matmulnbits import Int4LoweringPass
-from passes.sensitivity import FallbackSettings, WeightFormat, sensitivity_pass, validate_fallback
+from passes.sensitivity import FallbackSettings, WeightFormat, sensitivity_pass
 from passes.smoothquant import SmoothQuantPass
 from passes.smoothquant import validate as validate_smoothquant
 from pipeline.core.base import Pass, Recipe
@@ -37,7 +37,7 @@ class Int4RecipeConfig(Int4Settings, Int4LoweringSettings, FallbackSettings):
 
     def validate(self) -> None:
         validate_settings(self)
-        validate_fallback(self)
+        super().validate()  # FallbackSettings
 
 
 def _subset(config: Any, target: type) -> dict[str, Any]:
@@ -143,7 +143,7 @@ class Int8Config(FallbackSettings):
 
     def validate(self) -> None:
         validate_smoothquant(self)
-        validate_fallback(self)
+        super().validate()  # FallbackSettings
 
 
 register_pass("quant", "int8", Int8Config)
@@ -206,9 +206,6 @@ class Fp8Config(FallbackSettings):
     # The pass fails when the quantized graph's greedy token differs from the input graph's on
     # more positions of a fixed prompt: a guard against broken graphs, not a quality gate.
     min_top1_agreement: float = 0.5
-
-    def validate(self) -> None:
-        validate_fallback(self)
 
 
 register_pass("quant", "fp8", Fp8Config)

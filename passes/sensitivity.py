@@ -110,21 +110,20 @@ class FallbackSettings:
     # At most this many layers kept in higher precision; past it the run records budget_met=false.
     max_fallback_layers: int = 16
 
-
-def as_sensitivity(value: Any) -> SensitivityConfig:
-    return SensitivityConfig(**value) if isinstance(value, dict) else value
+    def validate(self) -> None:
+        validate_fallback(self)
 
 
 def scans(config: Any) -> bool:
     """Whether a recipe's flat config runs the scan: ``quant.sensitivity.enabled``, or when it is
     null, whether ``quant.fallback=auto`` needs the ranking."""
-    enabled = as_sensitivity(config.sensitivity).enabled
+    enabled = config.sensitivity.enabled
     return Fallback(config.fallback) == Fallback.auto if enabled is None else bool(enabled)
 
 
 def validate_fallback(config: Any) -> None:
     """One-line ConfigErrors for the shared knobs (Recipe.passes() calls it before anything runs)."""
-    sensitivity = as_sensitivity(config.sensitivity)
+    sensitivity = config.sensitivity
     if sensitivity.num_samples < 1:
         raise ConfigError(f"quant.sensitivity.num_samples={sensitivity.num_samples}: at least one window")
     if sensitivity.seq_len < 2:
@@ -176,7 +175,7 @@ def sensitivity_pass(config: Any, **formats: Any) -> SensitivityPass | None:
     return SensitivityPass(
         exclude=list(config.exclude),
         calibration=calibration,
-        sensitivity=vars(as_sensitivity(config.sensitivity)),
+        sensitivity=vars(config.sensitivity),
         fallback=Fallback(config.fallback),
         kl_budget=config.kl_budget,
         max_fallback_layers=config.max_fallback_layers,
