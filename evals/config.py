@@ -25,7 +25,7 @@ class QualityConfig:
     # in the numbers (0: the whole window in one prefill, which never reads the cache).
     chunk: int = 128
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if not isinstance(self.text, str) or not self.text:
             raise ConfigError(f"quality.text={_show(self.text)}: name a held-out text (evals/data/)")
         check_int("quality.window", self.window, 2)

@@ -86,6 +86,7 @@ from pipeline.core.distributed import (
     unwrapped,
 )
 from pipeline.core.errors import PassError
+from pipeline.core.planned_model import PlannedModel
 from pipeline.core.staging import owned_folder, remove_abandoned, unique_name
 
 if TYPE_CHECKING:
@@ -141,48 +142,48 @@ class DistillConfig:
     strategy: str = "ddp"
     collective_timeout_s: float = 300.0
 
+    def validate(self) -> None:
+        config = self
+        checks = {
+            "steps": config.steps >= 1,
+            "seq_len": config.seq_len >= 8,
+            "micro_batch_size": config.micro_batch_size >= 1,
+            "batch_size": config.batch_size >= config.micro_batch_size >= 1
+            and config.batch_size % config.micro_batch_size == 0,
+            "lr": config.lr > 0,
+            "warmup_ratio": 0 <= config.warmup_ratio < 1,
+            "temperature": config.temperature > 0,
+            "hidden_weight": config.hidden_weight >= 0,
+            "checkpoint_every": config.checkpoint_every >= 1,
+            "precision": config.precision in PRECISIONS,
+            "launcher": config.launcher in LAUNCHERS,
+            "strategy": config.strategy in STRATEGIES,
+            "collective_timeout_s": config.collective_timeout_s > 0,
+            "num_processes": config.num_processes >= 1
+            and (config.num_processes == 1 or config.launcher == "accelerate")
+            and config.batch_size % (config.num_processes * config.micro_batch_size) == 0,
+        }
+        checks["dataset"] = config.dataset in DATASETS
+        for knob, ok in checks.items():
+            if not ok:
+                hint = {
+                    "batch_size": f" (a multiple of distill.micro_batch_size={config.micro_batch_size})",
+                    "dataset": f" (choose one of {', '.join(sorted(DATASETS))})",
+                    "precision": f" (choose one of {', '.join(PRECISIONS)})",
+                    "launcher": f" (choose one of {', '.join(LAUNCHERS)})",
+                    "strategy": f" (choose one of {', '.join(STRATEGIES)})",
+                    "num_processes": (
+                        " (more than one process needs distill.launcher=accelerate)"
+                        if config.num_processes > 1 and config.launcher != "accelerate"
+                        else f" (each of the processes takes distill.batch_size / num_processes = "
+                        f"{config.batch_size}/{config.num_processes} sequences a step, a multiple of "
+                        f"distill.micro_batch_size={config.micro_batch_size})"
+                    ),
+                }.get(knob, "")
+                raise PassError(f"distill.{knob}={getattr(config, knob)!r} is out of range{hint}")
+
 
 register_pass("distill", "distill", DistillConfig)
-
-
-def validate(config: DistillConfig) -> None:
-    checks = {
-        "steps": config.steps >= 1,
-        "seq_len": config.seq_len >= 8,
-        "micro_batch_size": config.micro_batch_size >= 1,
-        "batch_size": config.batch_size >= config.micro_batch_size >= 1
-        and config.batch_size % config.micro_batch_size == 0,
-        "lr": config.lr > 0,
-        "warmup_ratio": 0 <= config.warmup_ratio < 1,
-        "temperature": config.temperature > 0,
-        "hidden_weight": config.hidden_weight >= 0,
-        "checkpoint_every": config.checkpoint_every >= 1,
-        "precision": config.precision in PRECISIONS,
-        "launcher": config.launcher in LAUNCHERS,
-        "strategy": config.strategy in STRATEGIES,
-        "collective_timeout_s": config.collective_timeout_s > 0,
-        "num_processes": config.num_processes >= 1
-        and (config.num_processes == 1 or config.launcher == "accelerate")
-        and config.batch_size % (config.num_processes * config.micro_batch_size) == 0,
-    }
-    checks["dataset"] = config.dataset in DATASETS
-    for knob, ok in checks.items():
-        if not ok:
-            hint = {
-                "batch_size": f" (a multiple of distill.micro_batch_size={config.micro_batch_size})",
-                "dataset": f" (choose one of {', '.join(sorted(DATASETS))})",
-                "precision": f" (choose one of {', '.join(PRECISIONS)})",
-                "launcher": f" (choose one of {', '.join(LAUNCHERS)})",
-                "strategy": f" (choose one of {', '.join(STRATEGIES)})",
-                "num_processes": (
-                    " (more than one process needs distill.launcher=accelerate)"
-                    if config.num_processes > 1 and config.launcher != "accelerate"
-                    else f" (each of the processes takes distill.batch_size / num_processes = "
-                    f"{config.batch_size}/{config.num_processes} sequences a step, a multiple of "
-                    f"distill.micro_batch_size={config.micro_batch_size})"
-                ),
-            }.get(knob, "")
-            raise PassError(f"distill.{knob}={getattr(config, knob)!r} is out of range{hint}")
 
 
 def learning_rate(step: int, config: DistillConfig) -> float:
@@ -204,13 +205,14 @@ def kd_loss(student_logits: Any, teacher_logits: Any, temperature: float) -> Any
     return per_token.mean() * temperature**2
 
 
+NO_TEACHER = "distill: the student has no teacher on record; distill=kd follows a prune pass (prune=...)"
+
+
 def teacher_of(source: Artifact) -> Path:
     """The unpruned checkpoint the student came from, checked against the recorded digest."""
     teacher = (source.metadata.get("prune") or {}).get("teacher")
     if not teacher:
-        raise PassError(
-            "distill: the student has no teacher on record; distill=kd follows a prune pass (prune=...)"
-        )
+        raise PassError(NO_TEACHER)
     path = Path(teacher["path"])
     if not (path / "config.json").is_file():
         raise PassError(f"distill: the teacher checkpoint {path} is gone; rerun the prune pass")
@@ -233,7 +235,7 @@ class DistillPass(Pass):
     loads_module_by_module = True  # StreamedCheckpoint.load_model (teacher and student)
 
     def preflight(self) -> None:
-        validate(self.config)
+        self._check_bfloat16()
         if self.config.launcher == "accelerate":
             check_processes("distill.num_processes", self.config.num_processes, self.placement.device_type)
 
@@ -257,11 +259,9 @@ class DistillPass(Pass):
         training_state = shapes.parameters * 16
         return config.num_processes * (one - training_state) + training_state
 
-    def requires(self, source: Artifact) -> None:
-        validate(self.config)
-        self._check_bfloat16()
+    def check_model(self, facts: PlannedModel) -> PlannedModel:
         config = self.config
-        blocks = json.loads((source.path / "config.json").read_text())["num_hidden_layers"]
+        blocks = int(facts.config["num_hidden_layers"])
         if config.strategy == "fsdp" and config.num_processes > 1 and blocks < config.num_processes:
             # Per process FSDP holds its shard (1/N of the model) plus the block it gathers: with
             # fewer blocks than processes that block outweighs the shard, and sharding saves nothing.
@@ -270,19 +270,22 @@ class DistillPass(Pass):
                 f"over distill.num_processes={config.num_processes} (FSDP gathers one block at a "
                 "time); use distill.strategy=ddp or fewer processes"
             )
+        if facts.teacher is None:
+            raise PassError(NO_TEACHER)
+        if config.hidden_weight and facts.config["hidden_size"] != facts.teacher["hidden_size"]:
+            raise PassError(
+                "distill.hidden_weight needs the student's hidden size to equal the teacher's "
+                "(prune.hidden_ratio=0); set distill.hidden_weight=0"
+            )
+        return facts
+
+    def requires(self, source: Artifact) -> None:
         teacher = teacher_of(source)
         mine, theirs = source.path / "tokenizer.json", teacher / "tokenizer.json"
         if not mine.is_file() or not theirs.is_file() or sha256_file(mine) != sha256_file(theirs):
             raise PassError(
                 "distill: the student's tokenizer differs from the teacher's; both must share one"
             )
-        if self.config.hidden_weight:
-            hidden = json.loads((source.path / "config.json").read_text())["hidden_size"]
-            if hidden != json.loads((teacher / "config.json").read_text())["hidden_size"]:
-                raise PassError(
-                    "distill.hidden_weight needs the student's hidden size to equal the teacher's "
-                    "(prune.hidden_ratio=0); set distill.hidden_weight=0"
-                )
 
     def _check_bfloat16(self) -> None:
         if self.config.precision != "bf16" or self.placement.device_type != "cuda":
@@ -311,8 +314,6 @@ class DistillPass(Pass):
         return every[np.sort(order[HOLDOUT:])], every[np.sort(order[:HOLDOUT])]
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
-        validate(self.config)
-        self._check_bfloat16()
         if self.config.launcher == "accelerate":
             return launch(
                 self,

@@ -13,6 +13,9 @@ from passes.fusion.kv_cache_dtype import CACHE_TYPES as GQA_CACHE_TYPES
 from pipeline.core.artifacts import Artifact
 from pipeline.core.errors import PassError
 from pipeline.core.lint import lint
+from pipeline.core.planned_model import PlannedModel
+
+GQA_RULE = "group_query_attention"  # the fusion rule family that writes GroupQueryAttention
 
 
 def engine_max_length(metadata: dict[str, Any], configured: int) -> int:
@@ -21,16 +24,38 @@ def engine_max_length(metadata: dict[str, Any], configured: int) -> int:
     return min(configured, model_max) if configured else model_max
 
 
+FP8_CACHE_UNFUSED = (
+    "build: kv_cache.dtype=fp8 is stored by the fusion pass, which did not run on this graph: "
+    "add fusion=ort (or fusion=tensorrt)"
+)
+
+
 def check_fp8_cache_applied(source: Artifact) -> None:
     """Refuse a graph whose kv_cache pass asked for an fp8 cache that no fusion pass stored: the
     fusion pass writes its Q/DQ (``passes/fusion/kv_cache_dtype.py``), with either rule set."""
     if source.metadata.get("kv_cache", {}).get("dtype") == "fp8" and (
         source.metadata["io"].get("kv_dtype") != "float8_e4m3fn"
     ):
-        raise PassError(
-            "build: kv_cache.dtype=fp8 is stored by the fusion pass, which did not run on this graph: "
-            "add fusion=ort (or fusion=tensorrt)"
-        )
+        raise PassError(FP8_CACHE_UNFUSED)
+
+
+def check_planned_cache(facts: PlannedModel, gqa: bool) -> None:
+    """Before any pass runs: refuse the recipe's KV-cache options that no pass before the build
+    will implement. ``gqa``: whether the target runs ONNX Runtime's GroupQueryAttention."""
+    kv, fusion = facts.kv_cache, facts.fusion
+    if kv.get("dtype") == "fp8" and fusion is None:
+        raise PassError(FP8_CACHE_UNFUSED)
+    wanted = gqa_cache_options(kv)
+    if wanted and gqa and GQA_RULE not in (fusion or ()):
+        raise PassError(needs_gqa(wanted))
+
+
+def needs_gqa(wanted: list[str]) -> str:
+    """Why a graph without GroupQueryAttention cannot give the ``wanted`` cache options."""
+    return (
+        f"build: {', '.join(wanted)} needs the attention fused to GroupQueryAttention (it updates "
+        "the buffer in place, bounds the window and stores fp16/int8 caches); add fusion=ort"
+    )
 
 
 def metadata_model_file(source: Artifact) -> str:

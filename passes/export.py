@@ -68,6 +68,7 @@ from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
 from pipeline.core.engine import IOSpec, graph_io
 from pipeline.core.errors import PassError
+from pipeline.core.planned_model import PlannedModel
 from pipeline.core.progress import phases
 from pipeline.core.torch_model import load_tokenizer
 from pipeline.runtime.ort import OrtModel
@@ -159,6 +160,9 @@ class ExportPass(Pass):
     # set the graph's precision). memory_profile stays "whole": ``ensures`` loads the fp32 model
     # (module by module: StreamedCheckpoint.load_model).
     loads_module_by_module = True
+
+    def check_model(self, facts: PlannedModel) -> PlannedModel:
+        return facts.replace(opset=self.config.opset)
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         import onnx_ir as ir

@@ -72,6 +72,7 @@ from pipeline.core.graph_io import (
     new_initializer,
     save_graph,
 )
+from pipeline.core.planned_model import PlannedModel
 from pipeline.runtime.parity import PARITY_PROMPT_TEXT, compare_graphs
 
 log = logging.getLogger(__name__)
@@ -97,9 +98,14 @@ def check_opset(source: Artifact, minimum: int = MIN_OPSET, who: str = "quant=fp
     if model_file.is_file():
         model = onnx.load(str(model_file), load_external_data=False)
         opsets += [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
-    if min(opsets) < minimum:
+    check_opset_value(min(opsets), minimum, who)
+
+
+def check_opset_value(opset: int | None, minimum: int = MIN_OPSET, who: str = "quant=fp8") -> None:
+    """Raise a one-line PassError when ``opset`` (None: not known yet) is below ``minimum``."""
+    if opset is not None and opset < minimum:
         raise PassError(
-            f"{who} needs export.opset >= {minimum} (got {min(opsets)}): set export.opset={minimum} or higher"
+            f"{who} needs export.opset >= {minimum} (got {opset}): set export.opset={minimum} or higher"
         )
 
 
@@ -148,6 +154,10 @@ class CalibratePass(CalibratesInRanks, Pass):
     memory_profile = "graph"  # the graph in an ONNX Runtime session; its files linked
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
+
+    def check_model(self, facts: PlannedModel) -> PlannedModel:
+        check_opset_value(facts.opset, self.config.min_opset, self.config.recipe)
+        return facts
 
     def requires(self, source: Artifact) -> None:
         if "linear_weights" not in source.metadata:
@@ -259,11 +269,15 @@ class Fp8QdqPass(Pass):
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
 
+    def check_model(self, facts: PlannedModel) -> PlannedModel:
+        check_opset_value(facts.opset)
+        check_patterns(facts.linears, self.config.exclude)
+        return facts
+
     def requires(self, source: Artifact) -> None:
         if "linear_weights" not in source.metadata:
             raise PassError(f"quant=fp8: {source.path} records no linear_weights; re-run export")
         check_opset(source)
-        check_patterns(source.metadata["linear_weights"], self.config.exclude)
         if self.config.activations and not (source.path / STATS_FILE).is_file():
             raise PassError(
                 f"quant=fp8: {source.path} has no activation statistics ({STATS_FILE}): run the "

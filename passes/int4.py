@@ -53,7 +53,8 @@ from pipeline.core.artifacts import Artifact, Kind, write_metadata
 from pipeline.core.base import Pass
 from pipeline.core.distributed import CalibratesInRanks, Group
 from pipeline.core.errors import CalibrationError, ConfigError, PassError
-from pipeline.core.torch_model import LM_HEAD, linear_layers, meta_model
+from pipeline.core.planned_model import PlannedModel
+from pipeline.core.torch_model import LM_HEAD, linear_layers
 
 log = logging.getLogger(__name__)
 
@@ -195,15 +196,22 @@ class TorchInt4Pass(CalibratesInRanks, Pass):
 
     def targets(self, model: Any, folder: Path) -> list[str]:
         """The quantized layers' names, after the exclude (and fallback) and group-size checks."""
-        layers = linear_layers(model)
-        selected = select_modules(layers, self.config.exclude, folder)
-        check_group_size(self.config.group_size, {n: layers[n].in_features for n in selected})
+        return self._select({name: m.in_features for name, m in linear_layers(model).items()}, folder)
+
+    def _select(self, widths: dict[str, int], folder: Path | None) -> list[str]:
+        selected = select_modules(widths, self.config.exclude, folder)
+        check_group_size(self.config.group_size, {name: widths[name] for name in selected})
         return selected
+
+    def check_model(self, facts: PlannedModel) -> PlannedModel:
+        # Every candidate layer: the sensitivity fallback, known only once it ran, can only keep
+        # some of them out of INT4.
+        self._select({name: shape[0] for name, shape in facts.linears.items()}, None)
+        return facts
 
     def requires(self, source: Artifact) -> None:
         if (source.path / EXTRAS_DIR / INT4_DIR).exists():
             raise PassError(f"{self.name}: {source.path} is already INT4-quantized; select one quant recipe")
-        self.targets(meta_model(source.path), source.path)  # fails before any weight is read
 
     @abstractmethod
     def quantize_block(

@@ -77,6 +77,7 @@ from pipeline.core.graph_io import (
     new_initializer,
     save_graph,
 )
+from pipeline.core.planned_model import PlannedModel
 from pipeline.runtime.parity import PARITY_PROMPT_TEXT, compare_graphs
 
 log = logging.getLogger(__name__)
@@ -225,6 +226,11 @@ class Int8QDQPass(Pass):
     memory_profile = "graph"  # weights memory-mapped; one fp32 weight read at a time
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
+
+    def check_model(self, facts: PlannedModel) -> PlannedModel:
+        check_patterns(facts.linears, self.config.weight_only, "quant.weight_only")
+        check_patterns(facts.linears, self.config.exclude)
+        return facts
 
     def requires(self, source: Artifact) -> None:
         if "linear_weights" not in source.metadata:

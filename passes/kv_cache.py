@@ -47,6 +47,7 @@ from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
 from pipeline.core.errors import PassError
 from pipeline.core.graph_io import check_data_files, link_graph_folder
+from pipeline.core.planned_model import PlannedModel
 
 
 class Layout(enum.StrEnum):
@@ -110,7 +111,11 @@ class KvCacheConfig:
 
 register_pass("kv_cache", "kv_cache", KvCacheConfig)
 
-KINDS = ("key", "value")  # present.<layer>.key, present.<layer>.value: the graph's output order
+KINDS = ("key", "value")
+ALREADY_FUSED = (
+    "{name}: the graph is already fused; the KV-cache layout is chosen before fusion "
+    "(pipeline.order: kv_cache before fusion)"
+)  # present.<layer>.key, present.<layer>.value: the graph's output order
 
 
 class KvCachePass(Pass):
@@ -126,17 +131,8 @@ class KvCachePass(Pass):
         dtype = KvDtype(self.config.dtype)
         return {KvDtype.fp16: "bits16", KvDtype.int8: "bits8", KvDtype.fp8: "bits8"}.get(dtype, "fp32")
 
-    def requires(self, source: Artifact) -> None:
-        if "io" not in source.metadata:
-            raise PassError(f"{self.name}: {source.path} records no IO spec; re-export it")
-        if source.metadata.get("fusion"):
-            raise PassError(
-                f"{self.name}: the graph is already fused; the KV-cache layout is chosen before fusion "
-                "(pipeline.order: kv_cache before fusion)"
-            )
-
-    def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
-        link_graph_folder(source.path, out_dir, skip=(ARTIFACT_FILE, AMAX_FILE))
+    def layout(self) -> dict[str, Any]:
+        """The ``kv_cache`` entry of the output's metadata, but for the calibrated scales."""
         layout: dict[str, Any] = {
             "layout": Layout(self.config.layout).value,
             "dtype": KvDtype(self.config.dtype).value,
@@ -145,13 +141,29 @@ class KvCachePass(Pass):
         }
         if self.config.layout == Layout.shared and self.config.window:
             layout["capacity"] = window_capacity(self.config.window)
+        if self.config.dtype == KvDtype.fp8:
+            layout["fp8_scale"] = Fp8Scale(self.config.fp8_scale).value
+        return layout
+
+    def check_model(self, facts: PlannedModel) -> PlannedModel:
+        if facts.fusion is not None:
+            raise PassError(ALREADY_FUSED.format(name=self.name))
+        return facts.replace(kv_cache=self.layout())
+
+    def requires(self, source: Artifact) -> None:
+        if "io" not in source.metadata:
+            raise PassError(f"{self.name}: {source.path} records no IO spec; re-export it")
+        if source.metadata.get("fusion"):
+            raise PassError(ALREADY_FUSED.format(name=self.name))
+
+    def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
+        link_graph_folder(source.path, out_dir, skip=(ARTIFACT_FILE, AMAX_FILE))
+        layout = self.layout()
         result: dict[str, Any] = {}
         if self.config.dtype in (KvDtype.int8, KvDtype.fp8):
             amax, tokens = calibrate_amax(source.path, self.config.calibration)
             np.savez(out_dir / AMAX_FILE, **amax)
             layout["amax_file"] = AMAX_FILE
-            if self.config.dtype == KvDtype.fp8:
-                layout["fp8_scale"] = Fp8Scale(self.config.fp8_scale).value
             layout["calibration"] = {**recorded(self.config.calibration), "tokens": tokens}
             # The manifest keeps each layer's largest amax per head (the graph keeps every channel).
             result["amax_per_head"] = {

@@ -55,6 +55,7 @@ from pipeline.core.graph_io import (
     load_graph,
     save_graph,
 )
+from pipeline.core.planned_model import PlannedModel
 from pipeline.runtime.parity import compare_graphs
 
 log = logging.getLogger(__name__)
@@ -84,17 +85,20 @@ class Int4LoweringPass(Pass):
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
 
-    def requires(self, source: Artifact) -> None:
-        weights = source.metadata.get("linear_weights")
-        if not weights:
-            raise PassError(f"{self.name}: {source.path} records no linear_weights; re-run export")
-        select_modules(weights, self.config.exclude, source.path)
-        opset = int(source.metadata.get("opset", 0))
+    def check_model(self, facts: PlannedModel) -> PlannedModel:
+        selected = select_modules(facts.linears, self.config.exclude)
+        check_group_size(self.config.group_size, {name: facts.linears[name][0] for name in selected})
+        opset = facts.opset or 0
         if self.config.lowering == Lowering.qdq and opset < QDQ_MIN_OPSET:
             raise PassError(
                 f"quant.lowering=qdq needs block-wise DequantizeLinear (opset >= {QDQ_MIN_OPSET}); "
                 f"the graph has opset {opset}: set export.opset={QDQ_MIN_OPSET}"
             )
+        return facts
+
+    def requires(self, source: Artifact) -> None:
+        if not source.metadata.get("linear_weights"):
+            raise PassError(f"{self.name}: {source.path} records no linear_weights; re-run export")
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         metadata = read_metadata(source.path)

@@ -28,10 +28,12 @@ import numpy as np
 
 from passes.engine_common import (
     check_fp8_cache_applied,
+    check_planned_cache,
     engine_max_length,
     gqa_cache_options,
     lint_or_refuse,
     metadata_model_file,
+    needs_gqa,
     profile_shapes,
 )
 from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_json, write_metadata
@@ -41,6 +43,7 @@ from pipeline.core.engine import ENGINE_FILE
 from pipeline.core.errors import PassError
 from pipeline.core.gpu import require_ort_provider
 from pipeline.core.graph_io import check_data_files, graph_ops, link_graph_folder
+from pipeline.core.planned_model import PlannedModel
 from pipeline.runtime.ort import Engine
 
 GENAI_CONFIG = "genai_config.json"
@@ -179,15 +182,17 @@ class OrtCpuBuildPass(Pass):
     consumes = Kind.GRAPH
     produces = Kind.ENGINE
 
+    def check_model(self, facts: PlannedModel) -> PlannedModel:
+        check_planned_cache(facts, gqa=True)
+        return facts
+
     def requires(self, source: Artifact) -> None:
         if "io" not in source.metadata or "tokens" not in source.metadata:
             raise PassError(f"build: {source.path} records no IO spec in artifact.json; re-run export")
+        # The graph itself: a fusion that found no attention pattern writes no GroupQueryAttention.
         wanted = gqa_cache_options(source.metadata.get("kv_cache", {}))
         if wanted and "GroupQueryAttention" not in graph_ops(source.path / metadata_model_file(source)):
-            raise PassError(
-                f"build: {', '.join(wanted)} needs the attention fused to GroupQueryAttention (it updates "
-                "the buffer in place, bounds the window and stores fp16/int8 caches); add fusion=ort"
-            )
+            raise PassError(needs_gqa(wanted))
         check_fp8_cache_applied(source)
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:

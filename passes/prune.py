@@ -48,6 +48,7 @@ from pipeline.core.artifacts import Artifact, Kind, write_metadata
 from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
 from pipeline.core.errors import PassError
+from pipeline.core.planned_model import PlannedModel
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,15 @@ class PruneConfig:
     calibration: CalibrationConfig = field(default_factory=lambda: CalibrationConfig(num_samples=32))
     batch_size: int = 8
 
+    def validate(self) -> None:
+        ratios = {k: getattr(self, k) for k in ("mlp_ratio", "heads_ratio", "hidden_ratio", "depth_ratio")}
+        for name, value in ratios.items():
+            _check_ratio(name, value)
+        if not any(ratios.values()):
+            raise PassError("prune: every ratio is 0, nothing to prune; use prune=none or set a ratio")
+        if self.batch_size < 1:
+            raise PassError(f"prune.batch_size={self.batch_size}: must be at least 1")
+
 
 register_pass("prune", "prune", PruneConfig)
 
@@ -73,16 +83,6 @@ register_pass("prune", "prune", PruneConfig)
 def _check_ratio(name: str, value: float) -> None:
     if not 0.0 <= value < 1.0 or math.isnan(value):
         raise PassError(f"prune.{name}={value}: a ratio must be in [0, 1) (0 keeps the dimension whole)")
-
-
-def validate(config: PruneConfig) -> None:
-    ratios = {k: getattr(config, k) for k in ("mlp_ratio", "heads_ratio", "hidden_ratio", "depth_ratio")}
-    for name, value in ratios.items():
-        _check_ratio(name, value)
-    if not any(ratios.values()):
-        raise PassError("prune: every ratio is 0, nothing to prune; use prune=none or set a ratio")
-    if config.batch_size < 1:
-        raise PassError(f"prune.batch_size={config.batch_size}: must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -353,12 +353,13 @@ class PrunePass(Pass):
     placement_knobs = ("device", "torch_dtype")
     loads_module_by_module = True  # StreamedCheckpoint.load_model
 
-    def requires(self, source: Artifact) -> None:
-        validate(self.config)
-        hf = json.loads((source.path / "config.json").read_text())
+    def check_model(self, facts: PlannedModel) -> PlannedModel:
+        hf = dict(facts.config)
         if hf.get("model_type") != "llama":
             raise PassError(f"prune: model_type is {hf.get('model_type')!r}; prune handles Llama models only")
-        target_shape(Shape.of(hf), self.config)
+        target = target_shape(Shape.of(hf), self.config)
+        # Which layers the ranking keeps is known only once it ran; the facts need only how many.
+        return facts.replace(config=pruned_config(hf, target, list(range(target.layers))), teacher=hf)
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         import torch
@@ -368,7 +369,6 @@ class PrunePass(Pass):
         from pipeline.core.torch_model import copy_beside_weights, load_tokenizer
 
         config = self.config
-        validate(config)
         hf = json.loads((source.path / "config.json").read_text())
         shape = Shape.of(hf)
         target = target_shape(shape, config)

@@ -53,6 +53,7 @@ from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, link_tree, wr
 from pipeline.core.base import Pass
 from pipeline.core.errors import CalibrationError, ConfigError
 from pipeline.core.memory import ModelShapes
+from pipeline.core.planned_model import PlannedModel
 
 log = logging.getLogger(__name__)
 
@@ -261,14 +262,13 @@ class SensitivityPass(Pass):
             added += shapes.num_layers * tokens * per_token * 4 + 5 * tokens * shapes.vocab_size * 4
         return generic_estimate(self, shapes).host_bytes + added
 
-    def requires(self, source: Artifact) -> None:
+    def check_model(self, facts: PlannedModel) -> PlannedModel:
         from passes.formats.int4 import check_group_size
-        from pipeline.core.torch_model import linear_layers, meta_model
 
-        layers = linear_layers(meta_model(source.path))  # shapes only: fails before any weight is read
-        selected = select_modules(layers, self.config.exclude)
+        selected = select_modules(facts.linears, self.config.exclude)
         if self.config.weight == WeightFormat.int4:
-            check_group_size(self.config.group_size, {n: layers[n].in_features for n in selected})
+            check_group_size(self.config.group_size, {n: facts.linears[n][0] for n in selected})
+        return facts
 
     def probe(
         self, folder: Path, calibrated_ranges: bool = True

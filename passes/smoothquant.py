@@ -65,6 +65,8 @@ from pipeline.core.base import Pass
 from pipeline.core.distributed import CalibratesInRanks, Group
 from pipeline.core.errors import CalibrationError, PassError
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
+from pipeline.core.planned_model import PlannedModel
+from pipeline.core.torch_model import linear_layers
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,9 @@ class SmoothQuantConfig:
     # Max |logit difference| of the saved smoothed model vs the input, relative to max |logit|.
     parity_tolerance: float = 1e-3
 
+    def validate(self) -> None:
+        validate(self)
+
 
 def validate(config: Any, where: str = "quant") -> None:
     """Checks that need no model; one-line errors naming the knob."""
@@ -121,13 +126,6 @@ def validate(config: Any, where: str = "quant") -> None:
 
 # --------------------------------------------------------------------------------------------
 # Statistics
-
-
-def linear_modules(model: Any) -> dict[str, Any]:
-    """Every ``nn.Linear`` of the model by module name (decoder projections and ``lm_head``)."""
-    import torch
-
-    return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
 def absmax_hook(stats: dict[str, Any], name: str) -> Any:
@@ -152,7 +150,7 @@ def collect_channel_absmax(
     import torch
     from tqdm.auto import tqdm
 
-    modules = linear_modules(model) if modules is None else modules
+    modules = linear_layers(model) if modules is None else modules
     stats: dict[str, Any] = {}
 
     def hook(name: str) -> Any:
@@ -518,25 +516,22 @@ class SmoothQuantPass(CalibratesInRanks, Pass):
     placement_knobs = ("device", "torch_dtype")
     memory_profile = "block"
 
-    def requires(self, source: Artifact) -> None:
-        validate(self.config)
-        hf = json.loads((source.path / "config.json").read_text())
-        if hf.get("model_type") != "llama":
+    def check_model(self, facts: PlannedModel) -> PlannedModel:
+        model_type = facts.config.get("model_type")
+        if model_type != "llama":
             raise PassError(
-                f"smoothquant: model_type is {hf.get('model_type')!r}; quant=int8 smooths Llama models only"
+                f"smoothquant: model_type is {model_type!r}; quant=int8 smooths Llama models only"
             )
+        check_patterns(facts.linears, self.config.exclude)
+        check_patterns(facts.linears, self.config.weight_only, "quant.weight_only")
+        return facts
 
     def run_rank(self, source: Artifact, out_dir: Path, group: Group) -> dict[str, Any]:
         """The pass in one rank of ``group`` (all of it for one process): rank 0 writes and
         returns the metrics, the others return {}."""
-        from calibration.streaming import StreamedCheckpoint
         from pipeline.core.torch_model import copy_beside_weights, load_tokenizer
 
         config = self.config
-        validate(config)
-        names = list(linear_modules(StreamedCheckpoint(source.path).model))
-        check_patterns(names, config.exclude)
-        check_patterns(names, config.weight_only, "quant.weight_only")
         windows = token_windows(load_tokenizer(source.path), config.calibration)
         log.info(
             "smoothquant: calibrating on %d windows x %d tokens, block by block on %s in %s",

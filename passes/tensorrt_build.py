@@ -44,6 +44,7 @@ from filelock import FileLock
 
 from passes.engine_common import (
     check_fp8_cache_applied,
+    check_planned_cache,
     engine_max_length,
     gqa_cache_options,
     lint_or_refuse,
@@ -58,6 +59,7 @@ from pipeline.core.errors import PassError
 from pipeline.core.gpu import require_tensorrt, tensorrt_module
 from pipeline.core.graph_io import link_folder_files
 from pipeline.core.lint import table_disagreements
+from pipeline.core.planned_model import PlannedModel
 
 log = logging.getLogger(__name__)
 
@@ -144,11 +146,9 @@ class TensorRtBuildPass(Pass):
         }
         return data
 
-    def requires(self, source: Artifact) -> None:
-        metadata = source.metadata
-        if "io" not in metadata or "tokens" not in metadata:
-            raise PassError(f"build: {source.path} records no IO spec in artifact.json; re-export it")
-        kv = metadata.get("kv_cache", {})
+    def check_model(self, facts: PlannedModel) -> PlannedModel:
+        check_planned_cache(facts, gqa=False)
+        kv = facts.kv_cache
         if gqa_cache_options(kv):
             raise PassError(
                 "build: kv_cache layout/window/dtype other than concat fp32 or fp8 relies on ONNX Runtime's "
@@ -156,13 +156,19 @@ class TensorRtBuildPass(Pass):
             )
         # An fp8 cache is explicit Q/DQ at the cache inputs and outputs, which a strongly typed
         # network takes as FP8 I/O tensors (written against TensorRT's API, not run here).
-        check_fp8_cache_applied(source)
         if kv.get("dtype") == "fp8" and kv.get("fp8_scale", "head") != "tensor":
             raise PassError(
                 "build: kv_cache.fp8_scale=head puts a per-head scale on the cache, an activation; "
                 "TensorRT quantizes activations per tensor (python -m pipeline.lint flags it): "
                 "set kv_cache.fp8_scale=tensor"
             )
+        return facts
+
+    def requires(self, source: Artifact) -> None:
+        metadata = source.metadata
+        if "io" not in metadata or "tokens" not in metadata:
+            raise PassError(f"build: {source.path} records no IO spec in artifact.json; re-export it")
+        check_fp8_cache_applied(source)
         lint_or_refuse(source.path / metadata_model_file(source), self.config.name)
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from pipeline.config import BenchConfig, ServingBenchConfig
 from pipeline.core.artifacts import write_json
 from pipeline.core.cache import library_versions, load_record, write_record
+from pipeline.core.config import build_config
 from pipeline.core.errors import ConfigError, EngineError, PipelineError, describe_os_error, one_line
 from pipeline.core.signals import exit_code, interrupt_on_sigterm
 
@@ -367,7 +368,7 @@ def load_config(text: str) -> BenchConfig:
             raise ConfigError(
                 f"--config: no bench.serving field {unknown[0]!r}; fields: {', '.join(sorted(serving_known))}"
             )
-    return BenchConfig(**fields)
+    return build_config(BenchConfig, fields)  # nested serving settings too, validated
 
 
 class _Parser(argparse.ArgumentParser):

@@ -2,10 +2,10 @@
 
 Hydra composes ``configs/pipeline.yaml`` against these dataclasses, so an unknown key or a
 value of the wrong type fails at parse time (the entry point prints Hydra's message as one
-``error:`` line). Values out of range are refused when a dataclass is built (``__post_init__``,
-which ``OmegaConf.to_object`` calls): :func:`validate_config` builds every section at start-up,
-before any pass runs or the model is downloaded, and also refuses keys added with ``+`` that no
-dataclass declares and folders that are files.
+``error:`` line). Values out of range are refused by each dataclass's ``validate()``, called
+once on a built section and its nested dataclasses (:func:`section`): :func:`validate_config`
+builds every section at start-up, before any pass runs or the model is downloaded, and also
+refuses keys added with ``+`` that no dataclass declares and folders that are files.
 Pass configs live beside their pass (``passes/*.py``) and register through
 :func:`register_pass` as ``<name>_schema``; those entries are type schemas, never options
 (:func:`check_group_choices`). Group nodes that select no pass (``quant=none``) are empty.
@@ -31,6 +31,7 @@ from pipeline.core.config import (
     check_int,
     check_ints,
     check_number,
+    validate_tree,
 )
 from pipeline.core.errors import ConfigError, first_line
 from pipeline.core.placement import check_device, check_dtype
@@ -84,7 +85,7 @@ class PipelineSettings:
     # Top-level config keys whose selected passes run, in this order.
     order: list[str] = field(default_factory=lambda: list(STAGE_ORDER))
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         for name in ("cache_dir", "models_dir"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise ConfigError(f"pipeline.{name}={_show(getattr(self, name))}: name a folder")
@@ -116,7 +117,7 @@ class ServingBenchConfig:
     # included (0: concurrency x the engine's max_length, which never holds a request back).
     max_kv_tokens: int = 0
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         where = "bench.serving"
         check_int(f"{where}.requests", self.requests, 1)
         if not self.concurrency:
@@ -161,9 +162,7 @@ class BenchConfig:
     vs_reference: bool | None = None
     serving: ServingBenchConfig = field(default_factory=ServingBenchConfig)
 
-    def __post_init__(self) -> None:
-        if isinstance(self.serving, dict):  # from JSON (python -m pipeline.bench --config)
-            self.serving = ServingBenchConfig(**self.serving)
+    def validate(self) -> None:
         if not isinstance(self.serving, ServingBenchConfig):
             raise ConfigError(f"bench.serving={_show(self.serving)}: must be a mapping of serving settings")
         check_ints("bench.prompt_lengths", self.prompt_lengths, 1)
@@ -246,7 +245,7 @@ class EvalConfig:
     seed: int = 0
     threads: int = 0  # ONNX Runtime intra-op threads while scoring (0: its default)
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         check_number("eval.confidence", self.confidence, above=0, below=1)
         check_int("eval.resamples", self.resamples, 1)
         check_int("eval.limit", self.limit, 1, optional=True)
@@ -305,7 +304,7 @@ class SpeculativeConfig:
     k: int = 4
     draft: DraftRecipe = field(default_factory=DraftRecipe)
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if not _is_int(self.k) or self.k < 1:
             raise ConfigError(
                 f"speculative.k={_show(self.k)}: the draft proposes at least 1 token a round; "
@@ -469,17 +468,25 @@ def check_folder(name: str, value: Any) -> None:
 STRUCTURED_SECTIONS = ("model", "pipeline", "bench", "quality", "eval", "speculative", "registry")
 
 
+def section(cfg: DictConfig, name: str) -> Any:
+    """The ``name`` section of a composed recipe as its dataclass (``EvalConfig``, ...), with
+    ``validate()`` called once on it and each dataclass nested in it."""
+    config = OmegaConf.to_object(cfg[name])
+    validate_tree(config)
+    return config
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Every start-up check of a composed recipe, before any pass runs or anything is downloaded:
-    interpolations resolve, no undeclared keys, every structured section builds (its dataclass's
-    ``__post_init__`` checks the ranges), and the folders it writes are not files."""
+    interpolations resolve, no undeclared keys, every structured section builds and validates
+    (:func:`section`), and the folders it writes are not files."""
     try:
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
         _unknown_keys(cfg, "")
-        for section in STRUCTURED_SECTIONS:
-            node = cfg.get(section)
+        for name in STRUCTURED_SECTIONS:
+            node = cfg.get(name)
             if isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node)):
-                OmegaConf.to_object(node)
+                section(cfg, name)
     except OmegaConfBaseException as exc:
         where = f"{exc.full_key}: " if getattr(exc, "full_key", None) else ""
         raise ConfigError(f"{where}{first_line(exc)}") from None

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 from pipeline.config import DRIFT_FAMILIES, EvalConfig, QualityConfig
 from pipeline.core.artifacts import Artifact, Kind, digest_of, sha256_file, write_json
+from pipeline.core.config import validate_tree
 from pipeline.core.errors import EngineError, PipelineError, describe_os_error, first_line
 from pipeline.core.signals import exit_code, interrupt_on_sigterm
 
@@ -191,7 +192,7 @@ def eval_options() -> list[str]:
 
 def load_eval_config(size: str, overrides: list[str]) -> EvalConfig:
     """``configs/eval/<size>.yaml`` with ``key=value`` overrides, checked against EvalConfig:
-    unknown keys, wrong types and out-of-range values (``EvalConfig.__post_init__``) are one-line
+    unknown keys, wrong types and out-of-range values (``EvalConfig.validate``) are one-line
     errors."""
     options = eval_options()
     if size not in options:  # also keeps --eval from naming a file outside configs/eval
@@ -213,7 +214,8 @@ def load_eval_config(size: str, overrides: list[str]) -> EvalConfig:
         merged = OmegaConf.merge(
             OmegaConf.structured(EvalConfig), *parts, data, OmegaConf.from_dotlist(overrides)
         )
-        config = OmegaConf.to_object(merged)  # builds EvalConfig: its __post_init__ checks run
+        config = OmegaConf.to_object(merged)
+        validate_tree(config)  # EvalConfig's range checks
     except PipelineError as exc:  # EvalConfig's own range checks (ConfigError)
         raise PipelineError(f"--set {' '.join(overrides)}: {first_line(exc)}") from None
     except Exception as exc:  # omegaconf's validation errors: unknown key, wrong type

@@ -24,7 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.bench import measure
-from pipeline.config import DRIFT_FAMILIES, BenchConfig, EvalConfig, ModelConfig, QualityConfig
+from pipeline.config import DRIFT_FAMILIES, BenchConfig, EvalConfig, ModelConfig, QualityConfig, section
 from pipeline.core.artifacts import Artifact, Kind, link_tree
 from pipeline.core.base import Pass
 from pipeline.core.cache import Cache, library_versions
@@ -147,12 +147,12 @@ def run_pipeline(
         validate(drafting, Kind.TORCH)
     speculative = None
 
-    model_cfg = OmegaConf.to_object(cfg.model)
+    model_cfg = section(cfg, "model")
     assert isinstance(model_cfg, ModelConfig)
     max_age_s = staging_max_age_s(cfg)
     source = resolve_source(model_cfg, Path(cfg.pipeline.models_dir), max_age_s)
     log.info("source %s (%s)", source.path, source.digest[:12])
-    bench_cfg = OmegaConf.to_object(cfg.bench)
+    bench_cfg = section(cfg, "bench")
     assert isinstance(bench_cfg, BenchConfig)
     # Before the first pass: refuse a recipe whose estimated peak memory exceeds what is available.
     bench_shape = (bench_cfg.prompt_lengths, bench_cfg.decode_tokens, bench_cfg.batch_size)
@@ -168,10 +168,10 @@ def run_pipeline(
     remove_abandoned_runs(run_dir, max_age_s)
     scratch = contextlib.ExitStack()  # pipeline.cache=false: a throwaway cache in the run folder
     benchmark = None
-    quality_cfg = OmegaConf.to_object(cfg.quality)
+    quality_cfg = section(cfg, "quality")
     assert isinstance(quality_cfg, QualityConfig)
     quality = None
-    eval_cfg = OmegaConf.to_object(cfg.eval)
+    eval_cfg = section(cfg, "eval")
     assert isinstance(eval_cfg, EvalConfig)
     gate = None
     family = drift_family(passes)

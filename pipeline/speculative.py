@@ -17,9 +17,9 @@ import logging
 import time
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
-from pipeline.config import SpeculativeConfig
+from pipeline.config import SpeculativeConfig, section
 from pipeline.core.artifacts import Artifact, Kind, link_tree
 from pipeline.core.base import Pass
 from pipeline.core.cache import Cache, library_versions
@@ -37,10 +37,8 @@ ATTACH_VERSION = 1
 
 
 def speculative_config(cfg: DictConfig) -> SpeculativeConfig:
-    config = OmegaConf.to_object(cfg.speculative)
+    config = section(cfg, "speculative")
     assert isinstance(config, SpeculativeConfig)
-    if config.enabled and config.k < 1:
-        raise ConfigError(f"speculative.k={config.k}: the draft proposes at least 1 token a round")
     return config
 
 

@@ -63,6 +63,7 @@ from pipeline.core.graph_io import (
     load_proto,
     save_graph,
 )
+from pipeline.core.planned_model import PlannedModel
 from pipeline.core.progress import phases
 from pipeline.runtime.parity import PARITY_DECODE_STEPS, PARITY_PROMPT_IDS, compare_graphs
 
@@ -238,6 +239,13 @@ class FusionPass(Pass):
     memory_profile = "graph"  # weights memory-mapped; only rewritten (packed) ones in memory
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
+
+    def check_model(self, facts: PlannedModel) -> PlannedModel:
+        if facts.fusion is not None:
+            raise PassError(
+                f"{self.name}: the graph is already fused ({list(facts.fusion)}); run one fusion pass"
+            )
+        return facts.replace(fusion=tuple(self.config.rules))
 
     def requires(self, source: Artifact) -> None:
         if not (source.path / MODEL_FILE).is_file():

@@ -20,6 +20,7 @@ from pipeline.core.placement import CPU_FLOAT32, Placement, ResolvedPlacement
 
 if TYPE_CHECKING:
     from pipeline.core.memory import ModelShapes
+    from pipeline.core.planned_model import PlannedModel
 
 __all__ = ["Pass", "PassError", "Recipe"]
 
@@ -115,8 +116,18 @@ class Pass(ABC):
         :attr:`memory_profile` and its calibration config (``pipeline.core.memory``). Default: None."""
         return None
 
+    def check_model(self, facts: PlannedModel) -> PlannedModel:
+        """Raise a one-line :class:`~pipeline.core.errors.PipelineError` for a knob that cannot work
+        on the model this pass will receive (``facts``: what the passes before leave of the
+        source's config); return the facts of what this pass produces. The manager asks every pass
+        in order before the first one runs, so a model-dependent knob fails at start-up
+        (``pipeline.core.model_facts``). ``requires`` then checks the real input. Default: accept,
+        facts unchanged."""
+        return facts
+
     def requires(self, source: Artifact) -> None:  # noqa: B027 - optional hook
-        """Raise :class:`PassError` if ``source`` cannot be processed. Default: accept."""
+        """Raise :class:`PassError` if ``source`` cannot be processed (what only the real input
+        shows: a missing file, a graph already quantized). Default: accept."""
 
     @abstractmethod
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:

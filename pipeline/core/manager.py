@@ -19,6 +19,7 @@ from pipeline.core.cache import Cache, CacheEntry, cache_key
 from pipeline.core.distributed import check_processes
 from pipeline.core.errors import ConfigError
 from pipeline.core.memory import ResourceMeter, empty_resources
+from pipeline.core.planned_model import PlannedModel
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,18 @@ def validate(passes: list[Pass], source_kind: Kind, final_kind: Kind | None = Ki
         step.preflight()
 
 
+def check_against_model(passes: list[Pass], source: Artifact) -> None:
+    """Hand the facts of ``source``'s model through ``passes`` (``Pass.check_model``), so a knob
+    that cannot work on the model fails before any pass runs; nothing to check without a
+    ``config.json`` in the source."""
+    facts = PlannedModel.of(source)
+    if facts is None:
+        log.debug("model checks: skipped (no config.json in %s)", source.path)
+        return
+    for step in passes:
+        facts = step.check_model(facts)
+
+
 def _check_calibration_processes(step: Pass) -> None:
     """One line unless ``calibration.num_processes`` suits the pass and the machine."""
     calibration = getattr(step.config, "calibration", None)
@@ -119,6 +132,7 @@ class PassManager:
 
     def run(self, source: Artifact) -> tuple[Artifact, list[PassRecord]]:
         validate(self.passes, source.kind, self.final_kind)
+        check_against_model(self.passes, source)
         records: list[PassRecord] = []
         current = source
         for index, step in enumerate(self.passes, start=1):

@@ -13,6 +13,7 @@ from evals.config import QualityConfig
 from passes.export import ExportPass
 from passes.ort_build import OrtCpuBuildPass
 from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.config import build_config
 from pipeline.core.errors import ConfigError, EngineError
 from pipeline.core.torch_model import load_causal_lm
 from pipeline.runtime import Engine
@@ -116,4 +117,4 @@ def test_chunks_read_the_cache_and_score_what_one_prefill_scores(
 
 def test_a_negative_chunk_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"quality\.chunk=-1"):  # when the settings are built
-        QualityConfig(chunk=-1)
+        build_config(QualityConfig, {"chunk": -1})

@@ -13,6 +13,7 @@ import pytest
 from passes.distill import DistillPass, kd_loss, learning_rate
 from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.errors import PassError
+from pipeline.core.manager import check_against_model
 from pipeline.core.placement import ResolvedPlacement
 from tests.conftest import make_tiny_llama
 from tests.passes.test_prune import prune
@@ -40,6 +41,7 @@ def distill(
     step.checkpoint_dir = checkpoints
     if placement is not None:
         step.placement = placement
+    check_against_model([step], source)
     step.requires(source)
     out.mkdir()
     metrics = step.run(source, out)
@@ -167,8 +169,13 @@ def test_the_schedule_warms_up_then_decays_to_zero() -> None:
 def test_without_a_pruned_student_or_with_another_tokenizer_it_refuses(
     tiny_llama: Path, pruned: Artifact, tmp_path: Path
 ) -> None:
-    with pytest.raises(PassError, match="no teacher on record; distill=kd follows a prune pass"):
-        DistillPass(**SMALL).requires(Artifact.from_dir(Kind.TORCH, tiny_llama))
+    unpruned = Artifact.from_dir(Kind.TORCH, tiny_llama)
+    for check in (
+        lambda: check_against_model([DistillPass(**SMALL)], unpruned),
+        lambda: DistillPass(**SMALL).requires(unpruned),
+    ):
+        with pytest.raises(PassError, match="no teacher on record; distill=kd follows a prune pass"):
+            check()
     (tmp_path / "student").mkdir()
     for path in pruned.path.iterdir():
         (tmp_path / "student" / path.name).write_bytes(path.read_bytes())
@@ -180,9 +187,9 @@ def test_without_a_pruned_student_or_with_another_tokenizer_it_refuses(
         DistillPass(**SMALL).requires(Artifact.from_dir(Kind.TORCH, tmp_path / "student"))
     bad_precision = r"distill\.precision='fp8' is out of range \(choose one of bf16, fp32\)"
     with pytest.raises(PassError, match=bad_precision):
-        DistillPass(**{**SMALL, "precision": "fp8"}).requires(pruned)
+        DistillPass(**{**SMALL, "precision": "fp8"})
     with pytest.raises(PassError, match=r"distill\.batch_size=3 is out of range"):
-        DistillPass(**{**SMALL, "batch_size": 3, "micro_batch_size": 2}).requires(pruned)
+        DistillPass(**{**SMALL, "batch_size": 3, "micro_batch_size": 2})
 
 
 def test_prune_then_distill_from_the_command_line(tiny_llama: Path, tmp_path: Path) -> None:

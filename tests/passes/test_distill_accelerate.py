@@ -17,6 +17,7 @@ import pytest
 from passes.distill import DistillPass
 from pipeline.core.artifacts import Artifact
 from pipeline.core.errors import PassError
+from pipeline.core.manager import check_against_model
 from tests.passes.test_distill import SMALL, distill, distill_killed_in_step
 from tests.passes.test_prune import prune
 
@@ -218,9 +219,7 @@ def test_an_error_in_a_rank_is_its_one_line(student: Artifact, tmp_path: Path) -
         distill(student, tmp_path / "out", tmp_path / "ckpt", **{**EXACT, "seq_len": 10_000_000}, **TWO)
 
 
-def test_bad_process_knobs_are_one_line_before_anything_runs(
-    student: Artifact, pruned_to_one_block: Artifact
-) -> None:
+def test_bad_process_knobs_are_one_line_before_anything_runs(pruned_to_one_block: Artifact) -> None:
     cores = len(os.sched_getaffinity(0))
     with pytest.raises(
         PassError,
@@ -230,19 +229,19 @@ def test_bad_process_knobs_are_one_line_before_anything_runs(
             **{**EXACT, "batch_size": 4 * (cores + 1)}, launcher="accelerate", num_processes=cores + 1
         ).preflight()
     with pytest.raises(PassError, match=r"needs distill\.launcher=accelerate"):
-        DistillPass(**EXACT, num_processes=2).requires(student)
+        DistillPass(**EXACT, num_processes=2)
     with pytest.raises(
         PassError, match=r"distill\.num_processes=2 is out of range \(each of the processes takes"
     ):
-        DistillPass(**{**EXACT, "batch_size": 2, "micro_batch_size": 2}, **TWO).requires(student)
+        DistillPass(**{**EXACT, "batch_size": 2, "micro_batch_size": 2}, **TWO)
     with pytest.raises(
         PassError, match=r"distill\.strategy='zero3' is out of range \(choose one of ddp, fsdp\)"
     ):
-        DistillPass(**EXACT, strategy="zero3", **TWO).requires(student)
+        DistillPass(**EXACT, strategy="zero3", **TWO)
     too_small = r"^distill\.strategy=fsdp: the student has 1 decoder block\(s\), too few to shard over"
     with pytest.raises(PassError, match=too_small):
-        DistillPass(**EXACT, strategy="fsdp", **TWO).requires(pruned_to_one_block)
-    DistillPass(**EXACT, **TWO).requires(pruned_to_one_block)  # DDP replicates: any size
+        check_against_model([DistillPass(**EXACT, strategy="fsdp", **TWO)], pruned_to_one_block)
+    check_against_model([DistillPass(**EXACT, **TWO)], pruned_to_one_block)  # DDP replicates: any size
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from passes.int4 import EXTRAS_DIR, TorchInt4Pass
 from passes.recipes import Int4GptqRecipe
 from pipeline.core.artifacts import Artifact
 from pipeline.core.errors import ConfigError
+from pipeline.core.manager import check_against_model
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 from pipeline.core.plugins import build_passes
 from pipeline.core.torch_model import load_causal_lm, load_tokenizer, untie_lm_head
@@ -179,8 +180,8 @@ def test_group_size_must_divide_every_input_width(tiny_source: Artifact) -> None
     with pytest.raises(
         ConfigError, match=r"quant.group_size=128 does not divide the input width 64 of model"
     ):
-        gptq.requires(tiny_source)
-    GptqPass(group_size=128, exclude=["*"]).requires(tiny_source)  # nothing quantized: nothing to divide
+        check_against_model([gptq], tiny_source)
+    check_against_model([GptqPass(group_size=128, exclude=["*"])], tiny_source)  # nothing to divide
 
 
 def test_hydra_recipe_expands_around_export() -> None:

@@ -16,6 +16,7 @@ from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.engine import graph_io
 from pipeline.core.errors import EngineError, PassError
 from pipeline.core.graph_io import load_proto
+from pipeline.core.manager import check_against_model
 from pipeline.runtime.generate import GenerationConfig
 from pipeline.runtime.ort import Engine, OrtModel
 from tests.conftest import genai_greedy_tokens, run_pass
@@ -129,7 +130,9 @@ def test_build_refuses_layouts_an_unfused_graph_cannot_honour(
 ) -> None:
     graph = layout(tiny_graph, tmp_path, fuse=False, **config)
     with pytest.raises(PassError, match=message):
-        OrtCpuBuildPass().requires(graph)
+        check_against_model([OrtCpuBuildPass()], graph)  # from the recipe, before any pass runs
+    with pytest.raises(PassError, match=message):
+        OrtCpuBuildPass().requires(graph)  # from the graph itself
 
 
 def test_an_engine_whose_layout_its_graph_cannot_run_is_refused(
@@ -363,14 +366,17 @@ def test_fp8_cache_engine_decodes_with_either_rule_set(
         served = engine.serve(requests, ServingLimits(max_sequences=2))
         assert [len(c.tokens) for c in served] == [6, 9]
         assert served[0].tokens == ours[:6]
+        check_against_model([TensorRtBuildPass()], graph)
         TensorRtBuildPass().requires(graph)
         assert [f for f in lint(graph.path) if f.node.startswith("kv_")] == []
-    else:
+    else:  # refused before any pass runs, from the recipe alone
         with pytest.raises(PassError, match=r"set kv_cache\.fp8_scale=tensor"):
-            TensorRtBuildPass().requires(graph)
-    for refuse in (OrtCpuBuildPass().requires, TensorRtBuildPass().requires):
+            check_against_model([TensorRtBuildPass()], graph)
+    for build_pass in (OrtCpuBuildPass(), TensorRtBuildPass()):
         with pytest.raises(PassError, match="fp8 is stored by the fusion pass"):
-            refuse(kv)
+            build_pass.requires(kv)  # the graph
+        with pytest.raises(PassError, match="fp8 is stored by the fusion pass"):
+            check_against_model([build_pass], kv)  # the recipe
 
 
 def test_a_windowed_shared_buffer_keeps_only_the_window(tiny_graph: Artifact, tmp_path: Path) -> None:

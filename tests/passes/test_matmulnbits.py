@@ -26,6 +26,7 @@ from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.engine import graph_io
 from pipeline.core.errors import ConfigError, PassError
 from pipeline.core.graph_io import load_proto
+from pipeline.core.manager import check_against_model
 from pipeline.core.torch_model import load_causal_lm
 from tests.conftest import run_pass
 from tests.pipeline.test_main import pipeline_command
@@ -242,13 +243,15 @@ def test_lowering_config_errors(
     with pytest.raises(PassError, match=r"quant.group_size=64 but the torch stage stored group_size=32"):
         Int4LoweringPass(group_size=64).run(quantized["graph"], tmp_path)
     with pytest.raises(ConfigError, match=r"quant.exclude pattern 'lm_haed' matches no linear module"):
-        Int4LoweringPass(exclude=["lm_haed"]).requires(quantized["graph"])
+        check_against_model([Int4LoweringPass(exclude=["lm_haed"])], quantized["graph"])
     (tmp_path / "g18").mkdir()
     ExportPass(opset=18).run(tiny_source, tmp_path / "g18")
     with pytest.raises(
         PassError, match=r"quant.lowering=qdq needs block-wise DequantizeLinear \(opset >= 21\)"
     ):
-        Int4LoweringPass(lowering="qdq").requires(Artifact.from_dir(Kind.GRAPH, tmp_path / "g18"))
+        check_against_model(
+            [Int4LoweringPass(lowering="qdq")], Artifact.from_dir(Kind.GRAPH, tmp_path / "g18")
+        )
 
 
 # ---------------------------------------------------------------------------------------------

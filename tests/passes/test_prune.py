@@ -12,6 +12,7 @@ import pytest
 from passes.prune import PruneConfig, PrunePass, Shape, kept_heads, target_shape, top
 from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.errors import PassError
+from pipeline.core.manager import check_against_model
 from pipeline.core.placement import ResolvedPlacement
 from tests.conftest import make_tiny_llama, run_pass
 
@@ -145,14 +146,18 @@ def test_heads_are_kept_per_kv_group() -> None:
 )
 def test_bad_ratios_are_one_line_errors(tiny_llama: Path, ratios: dict, needle: str) -> None:
     with pytest.raises(PassError) as error:
-        PrunePass(calibration=CALIBRATION, **ratios).requires(Artifact.from_dir(Kind.TORCH, tiny_llama))
+        check_against_model(
+            [PrunePass(calibration=CALIBRATION, **ratios)], Artifact.from_dir(Kind.TORCH, tiny_llama)
+        )
     assert str(error.value).startswith(needle) and "\n" not in str(error.value)
 
 
 def test_a_single_head_group_cannot_lose_a_head(tmp_path: Path) -> None:
     source = make_tiny_llama(tmp_path / "mha", num_attention_heads=4, num_key_value_heads=4)
     with pytest.raises(PassError, match="single query head; pruning one would break GQA grouping"):
-        PrunePass(calibration=CALIBRATION, heads_ratio=0.5).requires(Artifact.from_dir(Kind.TORCH, source))
+        check_against_model(
+            [PrunePass(calibration=CALIBRATION, heads_ratio=0.5)], Artifact.from_dir(Kind.TORCH, source)
+        )
 
 
 def test_prune_from_the_command_line(tiny_llama: Path, tmp_path: Path) -> None:

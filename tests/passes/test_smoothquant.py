@@ -23,6 +23,7 @@ from passes.smoothquant import (
 from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.config import build_config
 from pipeline.core.errors import CalibrationError, ConfigError, PassError
+from pipeline.core.manager import check_against_model
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 from pipeline.core.torch_model import load_causal_lm, load_tokenizer
 from tests.conftest import make_tiny_llama, run_pass
@@ -194,13 +195,13 @@ def test_bad_config_is_a_one_line_error(
     tiny_source: Artifact, config: dict, error: type, needle: str
 ) -> None:
     with pytest.raises(error) as info:
-        SmoothQuantPass(**config).requires(tiny_source)
+        SmoothQuantPass(**config)
     assert needle in str(info.value) and "\n" not in str(info.value)
 
 
 def test_exclude_typo_names_the_knob(tiny_source: Artifact, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"quant.exclude pattern 'lm_haed' matches no linear module"):
-        SmoothQuantPass(calibration=CALIBRATION, exclude=["lm_haed"]).run(tiny_source, tmp_path)
+        check_against_model([SmoothQuantPass(calibration=CALIBRATION, exclude=["lm_haed"])], tiny_source)
 
 
 def test_non_finite_statistics_are_a_calibration_error(tmp_path: Path) -> None:

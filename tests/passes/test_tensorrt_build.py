@@ -28,6 +28,7 @@ from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.engine import IOSpec
 from pipeline.core.errors import EngineError, PassError
 from pipeline.core.gpu import GpuInfo
+from pipeline.core.manager import check_against_model
 from pipeline.core.plugins import build_passes
 from pipeline.runtime.tensorrt import check_build_match, pick_profile
 from tests.pipeline.recipe import compose_recipe
@@ -133,12 +134,14 @@ def test_requires_accepts_the_exported_graph(tiny_graph: Artifact) -> None:
     OrtTrtBuildPass().requires(tiny_graph)
 
 
-def test_requires_refuses_ort_only_kv_layouts(tiny_graph: Artifact, tmp_path: Path) -> None:
+def test_ort_only_kv_layouts_are_refused_before_any_pass_runs(tiny_graph: Artifact, tmp_path: Path) -> None:
     (tmp_path / "kv").mkdir()
     KvCachePass(layout="shared").run(tiny_graph, tmp_path / "kv")
     shared = Artifact.from_dir(Kind.GRAPH, tmp_path / "kv")
     with pytest.raises(PassError, match="kv_cache=none or kv_cache=concat"):
-        TensorRtBuildPass().requires(shared)
+        check_against_model([TensorRtBuildPass()], shared)
+    with pytest.raises(PassError, match="kv_cache=none or kv_cache=concat"):  # from the recipe alone
+        check_against_model([KvCachePass(layout="shared"), TensorRtBuildPass()], tiny_graph)
 
 
 # ---------------------------------------------------------------- no GPU: fail before any pass (CPU)

@@ -15,6 +15,7 @@ from passes.export import ExportPass
 from passes.ort_build import OrtCpuBuildPass
 from pipeline.config import DRIFT_FAMILIES, STAGE_ORDER, EvalConfig
 from pipeline.core.artifacts import Kind
+from pipeline.core.config import validate_tree
 from pipeline.core.errors import ConfigError
 from pipeline.core.manager import validate
 from pipeline.core.plugins import build_passes, pass_class
@@ -165,8 +166,8 @@ def test_the_eval_gate_carries_drift_bounds_per_family_and_checks_them() -> None
         assert bounds == sorted(bounds), "a looser family must allow at least the KL of a stricter one"
         assert load_eval_config(size, []).drift == OmegaConf.to_object(eval_cfg).drift  # the gate CLI's
     with pytest.raises(ConfigError, match=r"eval.drift.bits3: no such recipe family; choose one of fp32"):
-        EvalConfig(drift={"bits3": {"max_kl": 0.1}})
+        validate_tree(EvalConfig(drift={"bits3": {"max_kl": 0.1}}))
     with pytest.raises(ConfigError, match=r"eval.drift.bits8.min_top1=1.5: must be a number at least 0"):
-        EvalConfig(drift={"bits8": {"min_top1": 1.5}})
+        validate_tree(EvalConfig(drift={"bits8": {"min_top1": 1.5}}))
     with pytest.raises(ConfigError, match=r"eval.family=int3: no such recipe family"):
-        EvalConfig(family="int3")
+        validate_tree(EvalConfig(family="int3"))

@@ -28,6 +28,7 @@ from pipeline.config import (
     run_suffix,
     validate_config,
 )
+from pipeline.core.config import build_config, validate_tree
 from pipeline.core.errors import ConfigError, PipelineError, describe_os_error, one_line
 from pipeline.nightly import JOB_STATUS, write_job_status
 from tests.pipeline.recipe import compose_recipe
@@ -93,18 +94,25 @@ def test_the_defaults_and_every_bench_option_pass() -> None:
 @pytest.mark.parametrize(
     ("build", "needle"),
     [
-        (lambda: BenchConfig(repeats=0), "bench.repeats=0"),
-        (lambda: BenchConfig(repeats="3"), "bench.repeats=3: must be a whole number"),  # type: ignore[arg-type]
-        (lambda: BenchConfig(serving={"requests": 0}), "bench.serving.requests=0"),  # type: ignore[arg-type]
-        (lambda: ServingBenchConfig(output_lengths=[4]), "bench.serving.output_lengths=[4]"),
-        (lambda: QualityConfig(window=1), "quality.window=1"),
-        (lambda: EvalConfig(confidence=1.5), "eval.confidence=1.5"),
-        (lambda: EvalConfig(drift={"bits4": {"max_kl": -0.1}}), "eval.drift.bits4.max_kl=-0.1"),
-        (lambda: SpeculativeConfig(k=0), "speculative.k=0"),
+        (lambda: build_config(BenchConfig, {"repeats": 0}), "bench.repeats=0"),
+        (lambda: build_config(BenchConfig, {"repeats": "3"}), "bench.repeats=3: must be a whole number"),
+        (lambda: build_config(BenchConfig, {"serving": {"requests": 0}}), "bench.serving.requests=0"),
+        (
+            lambda: build_config(ServingBenchConfig, {"output_lengths": [4]}),
+            "bench.serving.output_lengths=[4]",
+        ),
+        (lambda: build_config(QualityConfig, {"window": 1}), "quality.window=1"),
+        (lambda: build_config(EvalConfig, {"confidence": 1.5}), "eval.confidence=1.5"),
+        (
+            lambda: build_config(EvalConfig, {"drift": {"bits4": {"max_kl": -0.1}}}),
+            "eval.drift.bits4.max_kl=-0.1",
+        ),
+        (lambda: validate_tree(SpeculativeConfig(k=0)), "speculative.k=0"),
     ],
 )
-def test_dataclasses_check_ranges_when_built(build: object, needle: str) -> None:
-    """Also when built from JSON (python -m pipeline.bench --config) or by the gate CLI."""
+def test_dataclasses_check_ranges_when_validated(build: object, needle: str) -> None:
+    """Built from plain data (python -m pipeline.bench --config's JSON) or in code, an application
+    config's ``validate()`` runs on it and each dataclass nested in it (the serving settings)."""
     with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace(".", r"\.")):
         build()  # type: ignore[operator]
 

@@ -10,6 +10,7 @@ import pytest
 from pipeline.config import PipelineSettings
 from pipeline.core.artifacts import Artifact
 from pipeline.core.cache import Cache
+from pipeline.core.config import build_config
 from pipeline.core.errors import ConfigError
 from pipeline.core.manager import PassManager
 from pipeline.core.placement import CPU_FLOAT32, Placement, ResolvedPlacement
@@ -42,7 +43,7 @@ def placed_recipe(device: str, dtype: str) -> list:
 )
 def test_bad_knobs_are_one_line_config_errors(device: str, dtype: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        PipelineSettings(device=device, torch_dtype=dtype)
+        build_config(PipelineSettings, {"device": device, "torch_dtype": dtype})
 
 
 def test_auto_is_the_cpu_in_float32_without_cuda() -> None:
