@@ -11,14 +11,17 @@ Rows (each built with the real CLI, ``bench=none``, so reruns come from the pipe
   ``quant=<int4 recipe>`` (int8 has no builder peer: its ratio column is against builder fp32);
 - ``builder fp32`` and ``builder int4``: ``python -m onnxruntime_genai.models.builder -p fp32|int4``
   (cached by source digest), run through our ``OrtModel`` with the shared buffer its
-  ``genai_config.json`` asks for.
+  ``genai_config.json`` asks for;
+- ``llama.cpp Q4_1`` and ``llama.cpp Q8_0``: the default model's own GGUF and llama.cpp's Q8_0 of
+  it, in llama-cpp-python built with the machine's native instructions
+  (``benchmarks/llamacpp_peer.py``; ``--no-llama-cpp`` leaves them out).
 
 Measured per row, interleaved per repeat (A B C ..., A B C ...), medians over ``--repeats`` after
 ``--warmup``: TTFT (prefill + first token) at ``--ttft`` lengths; TPOT (mean time per decoded token
 over ``--decode-tokens``) after a prompt of each ``--contexts`` length; the KV cache's bytes at
 the longest context (a shared buffer holds ``max_length``), and the peak RSS of a fresh process
 while it decodes after the longest context, measured after loading (``--no-memory`` skips it). Ratios
-are against the builder of the same precision (<1: we are faster).
+are against the builder of the same precision and against llama.cpp Q4_1 (<1: faster than it).
 
     python benchmarks/fusion.py [--contexts 256 1024 4096] [--ttft 512 2048] [--repeats 3]
         [--warmup 1] [--threads 2] [--int4 int4_awq] [--only 'fp32 fused'] [--json out.json]
@@ -39,6 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import llamacpp_peer
 from quantization import (
     REPO,
     Contestant,
@@ -94,6 +98,8 @@ def rows_to_build(int4: str) -> list[tuple[str, str, tuple[str, ...], str]]:
 # RSS after loading and the peak while decoding, bytes.
 PEAK_RSS_CHILD = """
 import sys
+import llamacpp_peer
+
 from pipeline.runtime.generate import GenerationConfig
 from pipeline.runtime.ort import Engine
 
@@ -196,23 +202,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row.engine = GenAIModelEngine(row.folder, threads=args.threads, share_buffer=True)
         rows.append(row)
         precision[row.name] = prec
-    live = [r for r in rows if r.ok and r.engine is not None]
     longest = max([*args.contexts, *args.ttft]) + args.decode_tokens + 1
+    if args.llama_cpp:
+        rows += llama_cpp_rows(Path(source["path"]), out, longest, args.threads)
+        precision.update({r.name: ("int4" if "Q4" in r.name else "int8") for r in rows[-2:]})
+    live = [r for r in rows if r.ok and r.engine is not None]
     for row in live:
         if row.engine.max_length < longest:  # type: ignore[union-attr]
             raise UsageError(f"{row.name}: max_length {row.engine.max_length} < {longest} tokens")  # type: ignore[union-attr]
     timing = measure(live, args)
     builders = {precision[r.name]: r for r in live if r.kind == "builder"}
+    q4_1 = next((r for r in live if r.kind == "llama.cpp" and "Q4_1" in r.name), None)
     table = []
     for row in rows:
         entry: dict[str, Any] = {"row": row.name, "status": row.status, "note": row.note}
         if row.ok and row.engine is not None:
             entry["median_ms"] = {k: round(1000 * statistics.median(v), 2) for k, v in row.samples.items()}
-            entry["kv_cache_bytes_at_longest_context"] = kv_bytes(row.engine, max(args.contexts))
             entry["kv_layout"] = row.engine.io.kv_layout
             entry["kv_dtype"] = row.engine.io.kv_dtype
-            if args.memory and row.kind != "builder":
-                entry["memory_bytes"] = peak_rss(row.folder, max(args.contexts), args.threads)  # type: ignore[arg-type]
+            if row.kind == "llama.cpp":
+                entry["kv_cache_bytes_at_longest_context"] = row.engine.kv_cache_bytes()  # type: ignore[union-attr]
+                if args.memory:
+                    entry["memory_bytes"] = llamacpp_peer.peak_rss(
+                        row.folder,  # type: ignore[arg-type]
+                        max(args.contexts),
+                        args.threads,
+                        REPO,
+                    )
+            else:
+                entry["kv_cache_bytes_at_longest_context"] = kv_bytes(row.engine, max(args.contexts))  # type: ignore[arg-type]
+                if args.memory and row.kind != "builder":
+                    entry["memory_bytes"] = peak_rss(row.folder, max(args.contexts), args.threads)  # type: ignore[arg-type]
             if row.manifest:
                 fusion = next((p for p in row.manifest["passes"] if p["name"] == "fusion"), None)
                 entry["fusion_rewrites"] = fusion["metrics"].get("rewrites") if fusion else None
@@ -222,14 +242,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     k: round(statistics.median(v) / statistics.median(peer.samples[k]), 3)
                     for k, v in row.samples.items()
                 }
+            if q4_1 is not None and q4_1 is not row:
+                entry["vs_llama_cpp_q4_1"] = {
+                    k: round(statistics.median(v) / statistics.median(q4_1.samples[k]), 3)
+                    for k, v in row.samples.items()
+                }
         table.append(entry)
     return {
         "benchmark": "fusion",
         "settings": vars(args) | {"out": str(args.out)},
         "cpu": os.cpu_count(),
+        "llama_cpp": {"version": llamacpp_peer.available(), "system_info": llamacpp_peer.system_info()}
+        if args.llama_cpp and llamacpp_peer.available()
+        else None,
         "timing": timing,
         "rows": table,
     }
+
+
+def llama_cpp_rows(source_dir: Path, out: Path, max_length: int, threads: int) -> list[Contestant]:
+    """The llama.cpp Q4_1 and Q8_0 rows (``benchmarks/llamacpp_peer.py``), or rows saying why not."""
+    version = llamacpp_peer.available()
+    names = [f"llama.cpp Q4_1 ({version or '-'})", f"llama.cpp Q8_0 ({version or '-'})"]
+    rows = [Contestant(name, "llama.cpp") for name in names]
+    if version is None:
+        for row in rows:
+            row.status, row.note = (
+                "not available",
+                f"{llamacpp_peer.PACKAGE} is not installed: pip install -e '.[bench]'",
+            )
+        return rows
+    try:
+        q4_1 = llamacpp_peer.source_gguf(source_dir)
+        q8_0 = llamacpp_peer.requantize_q8_0(q4_1, out / "gguf", threads)
+    except (ValueError, OSError, RuntimeError) as exc:
+        for row in rows:
+            row.status, row.note = "failed", str(exc)
+        return rows
+    for row, gguf in zip(rows, (q4_1, q8_0), strict=True):
+        row.folder = gguf
+        row.size_bytes = gguf.stat().st_size
+        row.engine = llamacpp_peer.LlamaCppEngine(gguf, max_length, threads)  # type: ignore[assignment]
+    return rows
 
 
 def print_report(record: dict[str, Any], args: argparse.Namespace) -> None:
@@ -238,7 +292,8 @@ def print_report(record: dict[str, Any], args: argparse.Namespace) -> None:
 
     keys = [f"ttft@{n}" for n in args.ttft] + [f"tpot@{n}" for n in args.contexts]
     table = Table(
-        title="Fusion and KV layout vs the ONNX Runtime GenAI builder (median ms; ratio vs builder)"
+        title="Fusion and KV layout vs the ONNX Runtime GenAI builder and llama.cpp "
+        "(median ms; (ratio vs builder) [ratio vs llama.cpp Q4_1])"
     )
     table.add_column("engine")
     for key in keys:
@@ -253,7 +308,12 @@ def print_report(record: dict[str, Any], args: argparse.Namespace) -> None:
         for key in keys:
             ms = entry["median_ms"][key]
             ratio = entry.get("vs_builder", {}).get(key)
-            cells.append(f"{ms:.1f}" + (f" ({ratio:.2f}x)" if ratio is not None else ""))
+            versus_llama = entry.get("vs_llama_cpp_q4_1", {}).get(key)
+            cells.append(
+                f"{ms:.1f}"
+                + (f" ({ratio:.2f}x)" if ratio is not None else "")
+                + (f" [{versus_llama:.2f}x]" if versus_llama is not None else "")
+            )
         memory = entry.get("memory_bytes")
         table.add_row(
             entry["row"],
@@ -264,6 +324,8 @@ def print_report(record: dict[str, Any], args: argparse.Namespace) -> None:
     console = Console(width=160)
     console.print(table)
     timing = record["timing"]
+    if record.get("llama_cpp"):
+        console.print(f"llama.cpp {record['llama_cpp']['version']}: {record['llama_cpp']['system_info']}")
     console.print(
         f"load average before {timing['load_average']['before']} after {timing['load_average']['after']}; "
         f"{args.repeats} repeats after {args.warmup} warm-up, interleaved; {args.threads} threads; "
@@ -287,6 +349,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", nargs="+", help="only our rows whose label contains one of these")
     parser.add_argument(
         "--memory", action=argparse.BooleanOptionalAction, default=True, help="peak RSS per engine"
+    )
+    parser.add_argument(
+        "--llama-cpp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="llama.cpp Q4_1 and Q8_0 rows (llama-cpp-python)",
     )
     parser.add_argument("--build-timeout", type=int, default=1800)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)

@@ -7,8 +7,9 @@ its length) arrives at once and is served at each concurrency of ``bench.serving
 - **continuous**: :class:`pipeline.runtime.serving.Server` with ``max_sequences`` = concurrency
   (requests join and leave the running batch at every step);
 - **static**: the trace in arrival order, in batches of that many requests, each batch decoded
-  until its longest request is done (``Engine.generate_ids`` on a left-padded batch), as a
-  server without iteration-level scheduling does.
+  until its longest request is done (``Engine.generate_ids`` on a padded batch: on the left, or
+  on the right for GroupQueryAttention engines), as a server without iteration-level
+  scheduling does.
 
 Concurrency 1 is the engine serving requests one by one. Per run: throughput (output tokens
 per second of wall time), TTFT p50/p95 (from arrival, queueing included) and TPOT p50/p95 (per
@@ -156,7 +157,7 @@ def prefix_ttft(engine: Any, config: ServingBenchConfig) -> dict[str, Any] | Non
 
 def serving_benchmark(engine: Any, config: ServingBenchConfig) -> dict[str, Any]:
     """The serving record of one engine (see the module docstring); an engine the server cannot
-    batch (GroupQueryAttention) gets ``{"skipped": why}`` rather than failing the run."""
+    batch (a sliding-window buffer) gets ``{"skipped": why}`` rather than failing the run."""
     from pipeline.runtime.serving import Server, ServingError
 
     try:

@@ -10,7 +10,7 @@ Multi-Head Checkpoints". Spec: ONNX Runtime contrib op ``GroupQueryAttention``
 ``RotaryEmbedding`` nodes and caches it absorbs.
 GroupQueryAttention masks causally from ``seqlens_k`` alone: it supports right padding, not the
 left padding of a batched prompt, which is why a fused engine records ``left_padding: false``
-(``pipeline.runtime`` then runs prompts of unequal length one by one).
+(``pipeline.runtime`` then pads a batch of unequal prompts on the right instead).
 onnxscript's ``ort_fusions.gqa`` matches the dynamo exporter's SDPA and transformers' mask
 construction; the TorchScript export traces eager attention, hence this rule. It matches from
 the attention output alone (a pattern with the two cache outputs as well makes onnxscript's

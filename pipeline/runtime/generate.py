@@ -1,5 +1,10 @@
-"""Token generation over a step function: greedy or seeded sampling, left-padded batches,
-a streaming callback, and per-step timings (TTFT = prefill, TPOT = each decode step)."""
+"""Token generation over a step function: greedy or seeded sampling, padded batches, a
+streaming callback, and per-step timings (TTFT = prefill, TPOT = each decode step).
+
+A batch of prompts of unequal length is padded on the left for graphs that mask with the
+attention mask (the unfused export), and on the right for GroupQueryAttention graphs, which
+take each row's length from the mask (``seqlens_k``) and keep each row's KV at positions
+0..length-1: every row's next token is then fed at its own position."""
 
 from __future__ import annotations
 
@@ -87,6 +92,17 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray,
     return ids, mask
 
 
+def right_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stack prompts to one batch, padding on the right; return ids and attention mask."""
+    ids, mask = left_pad([list(p)[::-1] for p in prompts], pad_id)
+    return np.ascontiguousarray(ids[:, ::-1]), np.ascontiguousarray(mask[:, ::-1])
+
+
+def right_padded_mask(lengths: np.ndarray) -> np.ndarray:
+    """The attention mask of rows holding ``lengths`` positions each, padded on the right."""
+    return (np.arange(int(lengths.max())) < lengths[:, None]).astype(np.int64)
+
+
 def sample_next(logits: np.ndarray, config: GenerationConfig, rng: np.random.Generator) -> np.ndarray:
     """Pick one token per row from ``logits`` [batch, vocab]."""
     if not config.do_sample:
@@ -116,10 +132,13 @@ def generate(
     pad_id: int,
     eos_ids: Sequence[int] = (),
     on_tokens: Callable[[np.ndarray], None] | None = None,
+    right_padded: bool = False,
 ) -> GenerationResult:
-    """Decode up to ``config.max_new_tokens`` tokens for each prompt (batch, left padded)."""
+    """Decode up to ``config.max_new_tokens`` tokens for each prompt (one batch, padded on the
+    left, or on the right for a GroupQueryAttention graph: see the module docstring)."""
     rng = np.random.default_rng(config.seed)
-    ids, mask = left_pad(prompts, pad_id)
+    ids, mask = (right_pad if right_padded else left_pad)(prompts, pad_id)
+    lengths = mask.sum(-1)
     positions = np.clip(mask.cumsum(-1) - 1, 0, None)
     cache = model.empty_cache(len(prompts))
     eos = np.array(list(eos_ids), dtype=np.int64)
@@ -129,9 +148,10 @@ def generate(
 
     start = time.perf_counter()
     logits, cache = model.step(ids, mask, positions, cache)
+    last = logits[np.arange(len(prompts)), lengths - 1] if right_padded else logits[:, -1]
     prefill_seconds = 0.0
     for index in range(config.max_new_tokens):
-        next_tokens = sample_next(logits[:, -1, :], config, rng)
+        next_tokens = sample_next(last, config, rng)
         now = time.perf_counter()
         if index == 0:
             prefill_seconds = now - start
@@ -150,7 +170,12 @@ def generate(
             break
         start = time.perf_counter()
         next_tokens = np.where(finished, pad_id, next_tokens)
-        mask = np.concatenate([mask, np.ones((len(prompts), 1), dtype=np.int64)], axis=1)
-        positions = positions[:, -1:] + 1
+        if right_padded:
+            positions, lengths = lengths[:, None].copy(), lengths + 1
+            mask = right_padded_mask(lengths)
+        else:
+            mask = np.concatenate([mask, np.ones((len(prompts), 1), dtype=np.int64)], axis=1)
+            positions = positions[:, -1:] + 1
         logits, cache = model.step(next_tokens[:, None], mask, positions, cache)
+        last = logits[:, -1]
     return GenerationResult(generated, prefill_seconds, step_seconds)

@@ -153,6 +153,22 @@ class OrtModel:
             raise EngineError("a shared KV buffer cannot be rearranged row by row")
         return [value.numpy().copy() for value in cache]
 
+    def shared_pool(self, slots: int) -> list[np.ndarray]:
+        """Zeroed host arrays of ``slots`` rows of the shared buffer, one per cache input: the
+        server's slot pool (:mod:`pipeline.runtime.serving`), bound with :meth:`pool_cache`."""
+        if not self.capacity or self.device != "cpu":
+            raise EngineError(
+                "a slot pool holds a shared KV buffer in host memory (ort-cpu, kv_cache=shared)"
+            )
+        shape = (slots, self.io.num_kv_heads, self.capacity, self.io.head_dim)
+        return [np.zeros(shape, dtype=self._kv_dtype) for _ in self._past_names]
+
+    def pool_cache(self, pool: Sequence[np.ndarray], start: int, stop: int) -> list[ort.OrtValue]:
+        """Slots ``start``..``stop - 1`` of ``pool`` as the cache of a batch of that many rows,
+        without a copy: ONNX Runtime reads the arrays' memory and GroupQueryAttention writes
+        each row's new positions into it (a slice of whole rows is contiguous)."""
+        return [ort.OrtValue.ortvalue_from_numpy(array[start:stop]) for array in pool]
+
     def cache_from_arrays(self, arrays: Sequence[np.ndarray]) -> list[ort.OrtValue]:
         """A cache from numpy arrays (inverse of :meth:`cache_arrays`)."""
         return [self._cache_value(array) for array in arrays]
@@ -281,7 +297,10 @@ class Engine:
             )
         if use_draft and self.draft is not None and not config.do_sample and len(prompts) == 1:
             return self._generate_speculatively(prompts[0], config, on_tokens)
-        if self.io.left_padding or len({len(p) for p in prompts}) <= 1:
+        # A GroupQueryAttention graph batches prompts of unequal length padded on the right,
+        # except with a sliding-window buffer, which evicts rows at each row's own length.
+        right_padded = not self.io.left_padding and not self.io.kv_capacity
+        if self.io.left_padding or right_padded or len({len(p) for p in prompts}) <= 1:
             return generate(
                 self.model,
                 prompts,
@@ -289,6 +308,7 @@ class Engine:
                 pad_id=self.pad_token_id,
                 eos_ids=self.eos_token_ids,
                 on_tokens=on_tokens,
+                right_padded=right_padded,
             )
         return self._generate_one_by_one(prompts, config, on_tokens)
 

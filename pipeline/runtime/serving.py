@@ -1,12 +1,22 @@
 """Serving many requests on one engine: continuous batching and prefix caching.
 
 **Continuous batching** (iteration-level scheduling, Yu et al. 2022, "Orca: A Distributed Serving
-System for Transformer-Based Generative Models"): the running requests share one left-padded
-batch and its KV cache; at every decode step, finished requests leave the batch and waiting
-ones join it. A newcomer is prefilled alone (its prompt, or only the part after a cached prefix),
-then its cache is padded on the left to the batch's length and stacked onto the batch, so no
-request waits for the longest one of a batch, and each row's attention sees only its own tokens
-(mask zeros over the padding): greedy outputs are the ones each request gets alone.
+System for Transformer-Based Generative Models"): the running requests share one batch and its
+KV cache; at every decode step, finished requests leave the batch and waiting ones join it. A
+newcomer is prefilled alone (its prompt, or only the part after a cached prefix) and joins, so no
+request waits for the longest one of a batch, and each row's attention sees only its own tokens:
+greedy outputs are the ones each request gets alone. How the batch holds its cache depends on
+the engine (:func:`batch_rows`):
+
+- the unfused graph (masks with the attention mask): rows padded on the left to the longest,
+  the newcomer's cache padded and stacked onto the batch (``_LeftPaddedRows``);
+- GroupQueryAttention with a concat cache (``fusion=ort``): the kernel takes each row's length
+  from the mask (``seqlens_k``) and writes its new KV at that length, so rows are padded on the
+  right instead (``_RightPaddedRows``);
+- GroupQueryAttention with a shared buffer (``kv_cache=shared``, fp32/fp16/int8): a pool of
+  preallocated slots that ONNX Runtime updates in place; a request is prefilled straight into a
+  free slot and frees it when done (``_SlotPool``: the CPU form of a paged cache, a page being a
+  slot of max_length positions, since the kernel reads each row's KV as one contiguous span).
 
 **Prefix caching** (block-hashed prefixes as in vLLM's automatic prefix caching, Kwon et al.
 2023, "Efficient Memory Management for Large Language Model Serving with PagedAttention"): after
@@ -19,9 +29,8 @@ batch's KV cache (rows x the longest row, padding included, each row counted at 
 length) stays within ``max_kv_tokens``; a request that could never fit is refused when it is
 submitted (:class:`ServingError`), one that does not fit now waits.
 
-Works on engines whose graph takes left-padded batches with a concat KV cache (the unfused
-export, ``kv_cache=none|concat``): GroupQueryAttention graphs mask from sequence lengths only
-and the shared buffer is one preallocated cache, so those engines are refused here.
+Refused with one line: a sliding-window buffer (``kv_cache.window``, which evicts each row at its
+own length) and engines on a GPU with a shared buffer (the pool lives in host memory).
 """
 
 from __future__ import annotations
@@ -31,14 +40,16 @@ import hashlib
 import queue
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pipeline.core.errors import EngineError
+from pipeline.runtime.generate import right_padded_mask
 
 _DONE = object()
 
@@ -186,7 +197,7 @@ class PrefixCache:
         while self.tokens + length > self.max_tokens and self._entries:
             self._evict()
         entry_id, self._next_id = self._next_id, self._next_id + 1
-        self._entries[entry_id] = ([np.ascontiguousarray(a[:, :, :length]) for a in arrays], chain)
+        self._entries[entry_id] = ([np.array(a[:, :, :length], copy=True) for a in arrays], chain)
         for position, key in enumerate(chain):
             self._index[key] = (entry_id, (position + 1) * self.block)
         self.tokens += length
@@ -209,20 +220,225 @@ class PrefixCache:
 class _Row:
     stream: RequestStream
     tokens: list[int]
-    position: int  # positions decoded so far (prompt + generated, the last token not yet fed)
+    position: int  # KV positions the row holds (prompt + generated, the last token not yet fed)
     reserve: int  # KV positions this row may reach: prompt + max_new_tokens
     first_token: float
     prefix_hit: int
     done: bool = False
 
 
-@dataclass
-class _Batch:
-    rows: list[_Row] = field(default_factory=list)
-    # the model's own cache (e.g. OrtValues), per layer/kind [rows, kv_heads, length, head_dim];
-    # it goes through numpy only when rows join or leave
-    cache: Any = None
-    mask: np.ndarray | None = None  # [rows, length]
+class _Rows(ABC):
+    """How the running batch keeps its KV cache: which rows hold it, how a newcomer is prefilled
+    and joins, one decode step for all, and how finished rows leave."""
+
+    def __init__(self, model: Any, limits: ServingLimits) -> None:
+        self.model, self.limits = model, limits
+        self.rows: list[_Row] = []
+
+    def fits(self, reserve: int) -> bool:
+        """Whether a newcomer reserving ``reserve`` positions may join now."""
+        return len(self.rows) < self.limits.max_sequences
+
+    @abstractmethod
+    def prefill(self, prompt: list[int], hit: int, cached: list[np.ndarray] | None) -> np.ndarray:
+        """Run a newcomer's prompt after the ``hit`` positions ``cached`` holds (batch-1 host
+        arrays); the logits of its last position. :meth:`join` follows at once."""
+
+    @abstractmethod
+    def prompt_arrays(self) -> list[np.ndarray]:
+        """The newcomer's KV after :meth:`prefill`, as batch-1 host arrays (for the prefix cache)."""
+
+    @abstractmethod
+    def join(self, row: _Row) -> None:
+        """Add the row just prefilled to the batch."""
+
+    @abstractmethod
+    def decode(self, last: np.ndarray) -> np.ndarray:
+        """One step feeding ``last`` [rows, 1] at each row's position; logits [rows, vocab]."""
+
+    @abstractmethod
+    def leave(self, keep: list[int]) -> None:
+        """Keep only the rows at ``keep`` (ascending indices)."""
+
+    def clear(self) -> None:
+        self.rows = []
+
+
+class _StackedRows(_Rows):
+    """A concat KV cache: the newcomer is prefilled in a cache of its own, which is then padded
+    to the batch's width and stacked onto it (through host memory)."""
+
+    def __init__(self, model: Any, limits: ServingLimits) -> None:
+        super().__init__(model, limits)
+        self.cache: Any = None  # the model's own cache (e.g. OrtValues), [rows, kv_heads, width, head_dim]
+        self._newcomer: list[np.ndarray] = []
+
+    def fits(self, reserve: int) -> bool:
+        longest = max([reserve, *(row.reserve for row in self.rows)])
+        return super().fits(reserve) and (len(self.rows) + 1) * longest <= self.limits.max_kv_tokens
+
+    def prefill(self, prompt: list[int], hit: int, cached: list[np.ndarray] | None) -> np.ndarray:
+        model = self.model
+        cache = model.cache_from_arrays(cached) if cached is not None else model.empty_cache(1)
+        ids = np.asarray(prompt[hit:], dtype=np.int64)[None]
+        positions = np.arange(hit, len(prompt), dtype=np.int64)[None]
+        logits, cache = model.step(ids, np.ones((1, len(prompt)), np.int64), positions, cache)
+        self._newcomer = model.cache_arrays(cache)
+        return logits[0, -1]
+
+    def prompt_arrays(self) -> list[np.ndarray]:
+        return self._newcomer
+
+    def clear(self) -> None:
+        super().clear()
+        self.cache = None
+
+
+class _LeftPaddedRows(_StackedRows):
+    """Rows padded on the left to the longest (graphs that mask with the attention mask): a step
+    appends one column for every row; positions are each row's own."""
+
+    def __init__(self, model: Any, limits: ServingLimits) -> None:
+        super().__init__(model, limits)
+        self.mask: np.ndarray | None = None  # [rows, width]
+
+    def join(self, row: _Row) -> None:
+        arrays, self._newcomer = self._newcomer, []
+        mask = np.ones((1, arrays[0].shape[2]), np.int64)
+        if self.cache is None or self.mask is None:
+            self.cache, self.mask, self.rows = self.model.cache_from_arrays(arrays), mask, [row]
+            return
+        length = max(self.mask.shape[1], mask.shape[1])
+        self.cache = self.model.cache_from_arrays(
+            [
+                np.concatenate([_pad(old, length, left=True), _pad(new, length, left=True)], axis=0)
+                for old, new in zip(self.model.cache_arrays(self.cache), arrays, strict=True)
+            ]
+        )
+        self.mask = np.concatenate(
+            [_pad(self.mask, length, left=True), _pad(mask, length, left=True)], axis=0
+        )
+        self.rows.append(row)
+
+    def decode(self, last: np.ndarray) -> np.ndarray:
+        assert self.cache is not None and self.mask is not None
+        positions = np.array([[row.position] for row in self.rows], dtype=np.int64)
+        mask = np.concatenate([self.mask, np.ones((len(self.rows), 1), np.int64)], axis=1)
+        logits, self.cache = self.model.step(last, mask, positions, self.cache)
+        self.mask = mask
+        return logits[:, -1]
+
+    def leave(self, keep: list[int]) -> None:
+        """Padding every remaining row has on the left is cut away."""
+        assert self.cache is not None and self.mask is not None
+        mask = self.mask[keep]
+        start = int((mask.cumsum(-1) == 0).sum(-1).min())  # columns that are padding in every row
+        self.mask = mask[:, start:]
+        arrays = self.model.cache_arrays(self.cache)
+        self.cache = self.model.cache_from_arrays(
+            [np.ascontiguousarray(a[keep][:, :, start:]) for a in arrays]
+        )
+        self.rows = [self.rows[index] for index in keep]
+
+    def clear(self) -> None:
+        super().clear()
+        self.mask = None
+
+
+class _RightPaddedRows(_StackedRows):
+    """Rows padded on the right (GroupQueryAttention with a concat cache): each row's KV lies at
+    positions 0..position-1, the mask says how many (``seqlens_k``), and the kernel writes each
+    row's new KV at its own length; the batch is as wide as its longest row."""
+
+    def join(self, row: _Row) -> None:
+        arrays, self._newcomer = self._newcomer, []
+        if self.cache is None:
+            self.cache, self.rows = self.model.cache_from_arrays(arrays), [row]
+            return
+        old = self.model.cache_arrays(self.cache)
+        width = max(old[0].shape[2], arrays[0].shape[2])
+        self.cache = self.model.cache_from_arrays(
+            [
+                np.concatenate([_pad(a, width), _pad(b, width)], axis=0)
+                for a, b in zip(old, arrays, strict=True)
+            ]
+        )
+        self.rows.append(row)
+
+    def decode(self, last: np.ndarray) -> np.ndarray:
+        assert self.cache is not None
+        lengths = np.array([row.position for row in self.rows], dtype=np.int64)
+        logits, self.cache = self.model.step(
+            last, right_padded_mask(lengths + 1), lengths[:, None], self.cache
+        )
+        return logits[:, -1]
+
+    def leave(self, keep: list[int]) -> None:
+        """Columns past the longest remaining row are cut away."""
+        self.rows = [self.rows[index] for index in keep]
+        width = max(row.position for row in self.rows)
+        arrays = self.model.cache_arrays(self.cache)
+        self.cache = self.model.cache_from_arrays(
+            [np.ascontiguousarray(a[keep][:, :, :width]) for a in arrays]
+        )
+
+
+class _SlotPool(_Rows):
+    """A shared KV buffer (GroupQueryAttention updating it in place) kept as a pool of slots: one
+    preallocated host array per layer and kind, [slots, kv_heads, max_length, head_dim], which
+    ONNX Runtime reads and writes without a copy. Row i of the batch is slot i: a newcomer is
+    prefilled straight into the first free slot, a step runs on the first ``rows`` slots, and
+    when rows finish, the rows after them move down (their valid positions only) so the running
+    rows stay the first slots. This is the CPU form of a paged cache: a slot is one page of
+    max_length positions, since the kernel reads each row's KV as one contiguous span."""
+
+    def __init__(self, model: Any, limits: ServingLimits) -> None:
+        super().__init__(model, limits)
+        self.capacity = model.capacity
+        self.slots = min(limits.max_sequences, limits.max_kv_tokens // self.capacity)
+        if self.slots < 1:
+            raise ServingError(
+                f"a slot of the shared KV pool holds the engine's {self.capacity} positions; "
+                f"max_kv_tokens={limits.max_kv_tokens} holds none: set it to at least {self.capacity}"
+            )
+        self.pool: list[np.ndarray] = model.shared_pool(self.slots)
+        self._newcomer_length = 0
+
+    def fits(self, reserve: int) -> bool:
+        return len(self.rows) < self.slots
+
+    def prefill(self, prompt: list[int], hit: int, cached: list[np.ndarray] | None) -> np.ndarray:
+        slot = len(self.rows)
+        if cached is not None:
+            for array, prefix in zip(self.pool, cached, strict=True):
+                array[slot, :, :hit] = prefix[0]
+        ids = np.asarray(prompt[hit:], dtype=np.int64)[None]
+        positions = np.arange(hit, len(prompt), dtype=np.int64)[None]
+        cache = self.model.pool_cache(self.pool, slot, slot + 1)
+        logits, _ = self.model.step(ids, np.ones((1, len(prompt)), np.int64), positions, cache)
+        self._newcomer_length = len(prompt)
+        return logits[0, -1]
+
+    def prompt_arrays(self) -> list[np.ndarray]:
+        slot, length = len(self.rows), self._newcomer_length
+        return [array[slot : slot + 1, :, :length] for array in self.pool]  # the prefix cache copies
+
+    def join(self, row: _Row) -> None:
+        self.rows.append(row)
+
+    def decode(self, last: np.ndarray) -> np.ndarray:
+        lengths = np.array([row.position for row in self.rows], dtype=np.int64)
+        cache = self.model.pool_cache(self.pool, 0, len(self.rows))
+        logits, _ = self.model.step(last, right_padded_mask(lengths + 1), lengths[:, None], cache)
+        return logits[:, -1]
+
+    def leave(self, keep: list[int]) -> None:
+        for slot, index in enumerate(keep):  # ascending: a row only moves down, onto a freed slot
+            if slot != index:
+                length = self.rows[index].position
+                for array in self.pool:
+                    array[slot, :, :length] = array[index, :, :length]
+        self.rows = [self.rows[index] for index in keep]
 
 
 class Server:
@@ -234,13 +450,7 @@ class Server:
         self.engine = engine
         self.model = engine.model
         self.limits = limits or ServingLimits()
-        io = engine.io
-        if not io.left_padding or io.kv_layout != "concat" or not hasattr(self.model, "cache_arrays"):
-            raise ServingError(
-                f"{engine.folder}: continuous batching needs an engine that takes left-padded batches with "
-                "a concat KV cache (fusion=none, kv_cache=none|concat); this one has "
-                f"kv_layout={io.kv_layout}, left_padding={io.left_padding}"
-            )
+        self._batch = batch_rows(engine, self.limits)
         self.prefix_cache = (
             PrefixCache(self.limits.prefix_cache_tokens, self.limits.prefix_block)
             if self.limits.prefix_cache_tokens
@@ -248,7 +458,6 @@ class Server:
         )
         self._waiting: deque[RequestStream] = deque()
         self._lock = threading.Condition()
-        self._batch = _Batch()
         self._thread: threading.Thread | None = None
         self._closing = False
         self.batch_sizes: list[int] = []  # rows of each decode step run so far
@@ -327,16 +536,9 @@ class Server:
         except Exception as exc:  # a failing step ends every running request with the error
             for row in self._batch.rows:
                 row.stream._finish(None, exc)
-            self._batch = _Batch()
+            self._batch.clear()
             raise
         return True
-
-    def _fits(self, reserve: int) -> bool:
-        rows = self._batch.rows
-        if len(rows) >= self.limits.max_sequences:
-            return False
-        longest = max([reserve, *(row.reserve for row in rows)])
-        return (len(rows) + 1) * longest <= self.limits.max_kv_tokens
 
     def _admit(self) -> None:
         while True:
@@ -346,7 +548,7 @@ class Server:
                 stream = self._waiting[0]
                 request = stream.request
                 reserve = len(request.prompt) + request.max_new_tokens
-                if not self._fits(reserve):
+                if not self._batch.fits(reserve):
                     if not self._batch.rows:  # cannot happen after submit's checks
                         raise ServingError(f"a {reserve}-position request does not fit the limits")
                     return
@@ -360,52 +562,23 @@ class Server:
     def _prefill(self, stream: RequestStream, reserve: int) -> None:
         prompt = list(stream.request.prompt)
         hit, arrays = self.prefix_cache.lookup(prompt) if self.prefix_cache else (0, None)
-        model = self.model
-        cache = model.cache_from_arrays(arrays) if arrays is not None else model.empty_cache(1)
-        ids = np.asarray(prompt[hit:], dtype=np.int64)[None]
-        logits, cache = model.step(
-            ids, np.ones((1, len(prompt)), np.int64), np.arange(hit, len(prompt), dtype=np.int64)[None], cache
-        )
-        token = int(logits[0, -1].argmax())
+        logits = self._batch.prefill(prompt, hit, arrays)
+        token = int(logits.argmax())
         now = time.perf_counter()
-        prefilled = model.cache_arrays(cache)
         if self.prefix_cache is not None:
-            self.prefix_cache.insert(prompt, prefilled)
+            self.prefix_cache.insert(prompt, self._batch.prompt_arrays())
         row = _Row(stream, [token], len(prompt), reserve, now, hit)
         stream._emit(token)
-        self._join(row, prefilled)
+        self._batch.join(row)
         if self._finished(row):
             self._leave()
 
-    def _join(self, row: _Row, arrays: list[np.ndarray]) -> None:
-        """Stack a prefilled row onto the batch, left-padding the shorter side."""
-        batch, model = self._batch, self.model
-        mask = np.ones((1, arrays[0].shape[2]), np.int64)
-        if batch.cache is None or batch.mask is None:
-            batch.cache, batch.mask, batch.rows = model.cache_from_arrays(arrays), mask, [row]
-            return
-        length = max(batch.mask.shape[1], mask.shape[1])
-        batch.cache = model.cache_from_arrays(
-            [
-                np.concatenate([_left_pad(old, length), _left_pad(new, length)], axis=0)
-                for old, new in zip(model.cache_arrays(batch.cache), arrays, strict=True)
-            ]
-        )
-        batch.mask = np.concatenate([_left_pad(batch.mask, length), _left_pad(mask, length)], axis=0)
-        batch.rows.append(row)
-
     def _decode(self) -> None:
         batch = self._batch
-        assert batch.cache is not None and batch.mask is not None
-        model = self.model
         last = np.array([[row.tokens[-1]] for row in batch.rows], dtype=np.int64)
-        positions = np.array([[row.position] for row in batch.rows], dtype=np.int64)
-        mask = np.concatenate([batch.mask, np.ones((len(batch.rows), 1), np.int64)], axis=1)
-        logits, batch.cache = model.step(last, mask, positions, batch.cache)
+        logits = batch.decode(last)
         self.batch_sizes.append(len(batch.rows))
-        batch.mask = mask
-        tokens = logits[:, -1].argmax(-1)
-        for row, token in zip(batch.rows, tokens, strict=True):
+        for row, token in zip(batch.rows, logits.argmax(-1), strict=True):
             row.tokens.append(int(token))
             row.position += 1
             row.stream._emit(int(token))
@@ -419,36 +592,55 @@ class Server:
         return row.done
 
     def _leave(self) -> None:
-        """Finished rows leave; padding every remaining row has on the left is cut away."""
+        """Finished rows end their streams and leave the batch."""
         batch, now = self._batch, time.perf_counter()
         keep = [index for index, row in enumerate(batch.rows) if not row.done]
         for row in batch.rows:
             if row.done:
                 stream = row.stream
                 stream._finish(Completion(row.tokens, stream.submitted, row.first_token, now, row.prefix_hit))
-        if not keep:
-            self._batch = _Batch()
-            return
-        assert batch.cache is not None and batch.mask is not None
-        mask = batch.mask[keep]
-        start = int((mask.cumsum(-1) == 0).sum(-1).min())  # columns that are padding in every row
-        batch.mask = mask[:, start:]
-        arrays = self.model.cache_arrays(batch.cache)
-        batch.cache = self.model.cache_from_arrays(
-            [np.ascontiguousarray(array[keep][:, :, start:]) for array in arrays]
+        if keep:
+            batch.leave(keep)
+        else:
+            batch.clear()
+
+
+def batch_rows(engine: Any, limits: ServingLimits) -> _Rows:
+    """How the server keeps this engine's running batch; a one-line ServingError for an engine
+    it cannot batch."""
+    io, model = engine.io, engine.model
+    if io.left_padding and io.kv_layout == "concat" and hasattr(model, "cache_arrays"):
+        return _LeftPaddedRows(model, limits)
+    if io.left_padding or not hasattr(model, "cache_arrays"):
+        raise ServingError(
+            f"{engine.folder}: continuous batching needs an engine that takes left-padded batches with "
+            "a concat KV cache, or a GroupQueryAttention engine (fusion=ort); this one has "
+            f"kv_layout={io.kv_layout}, left_padding={io.left_padding}"
         )
-        batch.rows = [batch.rows[index] for index in keep]
+    if io.kv_capacity:
+        raise ServingError(
+            f"{engine.folder}: a sliding-window KV buffer (kv_cache.window) evicts each row at its "
+            "own length, which the server cannot batch: serve an engine built without kv_cache.window"
+        )
+    if io.kv_layout == "concat":
+        return _RightPaddedRows(model, limits)
+    if getattr(model, "device", "cpu") != "cpu" or not hasattr(model, "pool_cache"):
+        raise ServingError(
+            f"{engine.folder}: the slot pool of a shared KV buffer lives in host memory; serve this "
+            "engine on the CPU (ort-cpu), or build it with kv_cache=concat"
+        )
+    return _SlotPool(model, limits)
 
 
-def _left_pad(array: np.ndarray, length: int) -> np.ndarray:
-    """``array`` ([rows, ..., positions] or [rows, heads, positions, dim]) padded with zeros
-    on the left of its positions axis to ``length``."""
+def _pad(array: np.ndarray, length: int, left: bool = False) -> np.ndarray:
+    """``array`` ([rows, positions] or [rows, heads, positions, dim]) padded with zeros on the
+    right (or left) of its positions axis to ``length``."""
     axis = 1 if array.ndim == 2 else 2
     missing = length - array.shape[axis]
     if missing == 0:
         return array
     widths = [(0, 0)] * array.ndim
-    widths[axis] = (missing, 0)
+    widths[axis] = (missing, 0) if left else (0, missing)
     return np.pad(array, widths)
 
 

@@ -87,13 +87,20 @@ def test_bench_serving_from_the_cli(tiny_llama: Path, tmp_path: Path) -> None:
 
 
 def test_an_engine_that_cannot_batch_is_skipped_with_the_reason(tiny_graph: Artifact, tmp_path: Path) -> None:
-    from passes.fusion.fuse import FusionPass
-    from passes.ort_build import OrtCpuBuildPass
-    from pipeline.core.artifacts import Kind
+    from tests.passes.test_kv_cache import build, layout
 
-    (tmp_path / "fused").mkdir()
-    FusionPass().run(tiny_graph, tmp_path / "fused")
-    (tmp_path / "engine").mkdir()
-    OrtCpuBuildPass().run(Artifact.from_dir(Kind.GRAPH, tmp_path / "fused"), tmp_path / "engine")
-    record = serving_benchmark(Engine(tmp_path / "engine"), ServingBenchConfig(**SMALL))
-    assert "left-padded batches" in record["skipped"] and "rows" not in record
+    window = build(layout(tiny_graph, tmp_path, layout="shared", window=8), tmp_path / "engine")
+    record = serving_benchmark(Engine(window.path), ServingBenchConfig(**SMALL))
+    assert "sliding-window KV buffer" in record["skipped"] and "rows" not in record
+
+
+def test_a_fused_engine_with_an_int8_slot_pool_is_served(tiny_graph: Artifact, tmp_path: Path) -> None:
+    """fusion=ort kv_cache=shared kv_cache.dtype=int8: continuous and static rows, every
+    continuous run token for token the one-by-one outputs."""
+    from tests.pipeline.runtime.test_serving import KINDS, build_engine
+
+    engine = build_engine(tiny_graph, tmp_path, KINDS["fused-shared-int8"])
+    record = serving_benchmark(engine, ServingBenchConfig(**SMALL))
+    assert "skipped" not in record and record["identical_to_one_by_one"] is True
+    modes = {(row["mode"], row["concurrency"]) for row in record["rows"]}
+    assert ("static", 2) in modes and ("continuous", 2) in modes

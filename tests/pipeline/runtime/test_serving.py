@@ -1,6 +1,8 @@
 """Continuous batching and prefix caching (pipeline/runtime/serving.py) on the tiny random Llama's
-ONNX Runtime engine: every request's greedy tokens equal running it alone, whatever joins and
-leaves around it; prefix-cache hits, misses and evictions; limits."""
+ONNX Runtime engines of every kind the server batches: the unfused graph (left-padded rows),
+GroupQueryAttention with a concat cache (right-padded rows), with a shared buffer (the slot
+pool), and with an int8 shared buffer. Every request's greedy tokens equal running it alone,
+whatever joins and leaves around it; prefix-cache hits, misses and evictions; limits."""
 
 from __future__ import annotations
 
@@ -11,14 +13,44 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.artifacts import Artifact
 from pipeline.runtime import Engine, GenerationConfig
 from pipeline.runtime.serving import PrefixCache, Request, Server, ServingError, ServingLimits, serve
+from tests.conftest import run_pass
+
+# kv_cache settings of each engine kind (None: the unfused export); the fused ones run fusion=ort.
+KINDS = {
+    "unfused": None,
+    "fused-concat": {},
+    "fused-shared": {"layout": "shared"},
+    "fused-shared-int8": {
+        "layout": "shared",
+        "dtype": "int8",
+        "calibration": {"num_samples": 4, "seq_len": 64},
+    },
+}
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_engine: Artifact) -> Engine:
-    return Engine(tiny_engine.path)
+def build_engine(graph: Artifact, cache: Path, kv_cache: dict | None, **target: object) -> Engine:
+    from passes.fusion.fuse import FusionPass
+    from passes.kv_cache import KvCachePass
+    from passes.ort_build import OrtCpuBuildPass
+
+    if kv_cache is not None:
+        graph = run_pass(KvCachePass(**kv_cache), graph, cache)[0]
+        graph = run_pass(FusionPass(), graph, cache)[0]
+    return Engine(run_pass(OrtCpuBuildPass(**target), graph, cache)[0].path)
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def engine(
+    request: pytest.FixtureRequest, tiny_graph: Artifact, tmp_path_factory: pytest.TempPathFactory
+) -> Engine:
+    return build_engine(tiny_graph, tmp_path_factory.mktemp(request.param), KINDS[request.param])
+
+
+def pooled(engine: Engine) -> bool:
+    return engine.io.kv_layout == "shared"
 
 
 def _alone(engine: Engine, request: Request) -> list[int]:
@@ -105,6 +137,12 @@ def test_prefix_cache_evicts_the_least_recently_used() -> None:
 
 
 def test_requests_that_cannot_fit_are_refused_at_submit(engine: Engine) -> None:
+    if pooled(engine):
+        with pytest.raises(ServingError, match=r"max_kv_tokens=64 holds none: set it to at least 256$"):
+            Server(engine, ServingLimits(max_kv_tokens=64))
+        with pytest.raises(ServingError, match="exceeds the engine's max_length 256"):
+            Server(engine).submit(Request(list(range(4, 254)), max_new_tokens=20))  # no slot holds it
+        return
     server = Server(engine, ServingLimits(max_kv_tokens=64))
     with pytest.raises(ServingError, match="needs 70 KV positions, more than max_kv_tokens=64"):
         server.submit(Request(list(range(4, 54)), max_new_tokens=20))
@@ -119,7 +157,8 @@ def test_requests_that_do_not_fit_now_wait(engine: Engine) -> None:
     requests = [
         Request(p[:20], max_new_tokens=20, stop_at_eos=False) for p in _prompts(3, seed=5, low=20, high=30)
     ]
-    server = Server(engine, ServingLimits(max_kv_tokens=50))
+    # room for 50 positions; a pool's slot holds the engine's max_length: one slot
+    server = Server(engine, ServingLimits(max_kv_tokens=engine.max_length if pooled(engine) else 50))
     streams = [server.submit(r) for r in requests]
     sizes = []
     while server._step():
@@ -156,15 +195,42 @@ def test_streams_from_a_background_server(engine: Engine) -> None:
 
 
 def test_engines_that_cannot_batch_are_refused(tiny_graph: Artifact, tmp_path: Path) -> None:
-    from passes.fusion.fuse import FusionPass
-    from passes.ort_build import OrtCpuBuildPass
+    from tests.passes.test_kv_cache import build, layout
 
-    (tmp_path / "fused").mkdir()
-    FusionPass().run(tiny_graph, tmp_path / "fused")
-    (tmp_path / "engine").mkdir()
-    OrtCpuBuildPass().run(Artifact.from_dir(Kind.GRAPH, tmp_path / "fused"), tmp_path / "engine")
-    with pytest.raises(ServingError, match="left-padded batches"):
-        serve(Engine(tmp_path / "engine"), [Request([5, 6, 7], 4)])
+    # the window changes what attention sees: layout() skips the fusion's parity check against
+    # the unwindowed graph, as the kv_cache tests do
+    window = Engine(build(layout(tiny_graph, tmp_path, layout="shared", window=8), tmp_path / "engine").path)
+    with pytest.raises(ServingError, match=r"a sliding-window KV buffer \(kv_cache.window\) evicts each row"):
+        serve(window, [Request([5, 6, 7], 4)])
+
+
+def test_slots_are_reused_after_requests_finish(engine: Engine) -> None:
+    """Two slots for seven requests: each finished request frees its slot for the next, the rows
+    after it move down, and the pool is never reallocated."""
+    if not pooled(engine):
+        pytest.skip("the slot pool holds shared-buffer engines")
+    requests = [
+        Request(p, max_new_tokens=n, stop_at_eos=False)
+        for p, n in zip(_prompts(7, seed=8), (9, 2, 6, 1, 11, 4, 3), strict=True)
+    ]
+    server = Server(engine, ServingLimits(max_sequences=2, max_kv_tokens=4 * engine.max_length))
+    pool = list(server._batch.pool)
+    assert server._batch.slots == 2 and pool[0].shape[:1] == (2,)
+    streams = [server.submit(r) for r in requests]
+    server.run()
+    assert all(a is b for a, b in zip(server._batch.pool, pool, strict=True))
+    assert max(server.batch_sizes) == 2
+    for request, stream in zip(requests, streams, strict=True):
+        assert stream.result().tokens == _alone(engine, request)
+
+
+def test_a_static_batch_of_unequal_prompts_equals_each_alone(engine: Engine) -> None:
+    """``generate_ids`` batches unequal prompts: left padding on the unfused graph, right padding
+    (each row fed at its own length) on GroupQueryAttention engines."""
+    prompts = _prompts(4, seed=9, low=2, high=30)
+    config = GenerationConfig(max_new_tokens=7, stop_at_eos=False)
+    batch = engine.generate_ids(prompts, config).tokens
+    assert batch == [engine.generate_ids([p], config).tokens[0] for p in prompts]
 
 
 def test_a_token_outside_the_vocabulary_is_refused_at_submit(engine: Engine) -> None:
