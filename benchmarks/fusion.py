@@ -98,8 +98,6 @@ def rows_to_build(int4: str) -> list[tuple[str, str, tuple[str, ...], str]]:
 # RSS after loading and the peak while decoding, bytes.
 PEAK_RSS_CHILD = """
 import sys
-import llamacpp_peer
-
 from pipeline.runtime.generate import GenerationConfig
 from pipeline.runtime.ort import Engine
 
@@ -121,17 +119,7 @@ print(loaded, status("VmHWM"))
 def peak_rss(folder: Path, tokens: int, threads: int) -> dict[str, int]:
     """Resident memory of a fresh process after loading the engine, and its peak while it
     decodes after ``tokens`` tokens (Linux only)."""
-    import subprocess
-
-    done = subprocess.run(
-        [sys.executable, "-c", PEAK_RSS_CHILD, str(folder), str(tokens), str(threads)],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=REPO,
-    )
-    loaded, peak = (int(x) for x in done.stdout.split()[-2:])
-    return {"after_load": loaded, "peak_decoding": peak}
+    return llamacpp_peer.child_rss(PEAK_RSS_CHILD, [str(folder), str(tokens), str(threads)], REPO)
 
 
 def kv_bytes(engine: Engine, tokens: int) -> int:

@@ -180,22 +180,17 @@ print(loaded, status("VmHWM"))
 def peak_rss(gguf: Path, tokens: int, threads: int, repo: Path) -> dict[str, int]:
     """Resident memory of a fresh process after loading ``gguf`` and its peak while it decodes
     after ``tokens`` tokens (Linux only)."""
+    here = str(Path(__file__).parent)
+    return child_rss(PEAK_RSS_CHILD, [str(gguf), str(tokens), str(threads), here], repo)
+
+
+def child_rss(script: str, args: list[str], cwd: Path) -> dict[str, int]:
+    """Run ``script`` in a fresh Python with ``args``; it prints RSS after loading and the peak
+    while decoding (bytes), which come back as a record."""
     import subprocess
 
     done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            PEAK_RSS_CHILD,
-            str(gguf),
-            str(tokens),
-            str(threads),
-            str(Path(__file__).parent),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=repo,
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, check=True, cwd=cwd
     )
     loaded, peak = (int(x) for x in done.stdout.split()[-2:])
     return {"after_load": loaded, "peak_decoding": peak}
