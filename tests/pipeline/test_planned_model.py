@@ -94,3 +94,28 @@ def test_a_cache_layout_the_recipe_never_fuses_fails_before_the_export(
     ]
     with pytest.raises(PassError, match="kv_cache=shared needs the attention fused"):
         PassManager(without_gqa, Cache(tmp_path / "cache")).run(source)
+
+
+def test_the_command_line_refuses_it_in_one_line_before_any_pass(tiny_llama: Path, tmp_path: Path) -> None:
+    """prune=... quant=int4_gptq with a group size the pruned MLP cannot take: exit 2, one
+    ``error:`` line naming the knob, no pass run and nothing in the cache."""
+    from tests.pipeline.test_main import run_pipeline
+
+    result = run_pipeline(
+        tiny_llama,
+        tmp_path,
+        "run",
+        "prune=width25",
+        "prune.calibration.num_samples=2",
+        "prune.calibration.seq_len=16",
+        "quant=int4_gptq",
+        "quant.group_size=64",
+        "quant.calibration.num_samples=2",
+        "quant.calibration.seq_len=16",
+        "bench=none",
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "quant.group_size=64 does not divide the input width 96" in errors[0]
+    assert "pass 1/" not in result.stdout + result.stderr
+    assert not any((tmp_path / "cache").rglob("artifact.json"))
