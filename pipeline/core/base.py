@@ -121,7 +121,7 @@ class Pass(ABC):
         on the model this pass will receive (``facts``: what the passes before leave of the
         source's config); return the facts of what this pass produces. The manager asks every pass
         in order before the first one runs, so a model-dependent knob fails at start-up
-        (``pipeline.core.model_facts``). ``requires`` then checks the real input. Default: accept,
+        (``pipeline.core.planned_model``). ``requires`` then checks the real input. Default: accept,
         facts unchanged."""
         return facts
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.artifacts import Artifact
+from pipeline.core.errors import SourceError, first_line
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,15 @@ class PlannedModel:
 
         settings = dict(self.config)
         model_type = settings.pop("model_type", None)
-        if not model_type:
-            return {}
-        config = AutoConfig.for_model(model_type, **settings)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        try:
+            config = AutoConfig.for_model(str(model_type), **settings)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        except (ValueError, KeyError, TypeError) as exc:  # transformers' messages span lines
+            raise SourceError(
+                f"config.json (model_type {model_type!r}) does not describe a causal LM transformers "
+                f"builds: {first_line(exc)}"
+            ) from None
         return {
             name: (module.in_features, module.out_features)
             for name, module in model.named_modules()

@@ -16,7 +16,7 @@ from passes.ort_build import OrtCpuBuildPass
 from passes.prune import PrunePass
 from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.cache import Cache
-from pipeline.core.errors import ConfigError, PassError
+from pipeline.core.errors import ConfigError, PassError, SourceError
 from pipeline.core.manager import PassManager, check_against_model
 from pipeline.core.planned_model import PlannedModel
 
@@ -119,3 +119,14 @@ def test_the_command_line_refuses_it_in_one_line_before_any_pass(tiny_llama: Pat
     assert len(errors) == 1 and "quant.group_size=64 does not divide the input width 96" in errors[0]
     assert "pass 1/" not in result.stdout + result.stderr
     assert not any((tmp_path / "cache").rglob("artifact.json"))
+
+
+def test_a_config_transformers_cannot_build_is_one_line(tiny_llama: Path, tmp_path: Path) -> None:
+    facts = PlannedModel.of(Artifact.from_dir(Kind.TORCH, tiny_llama))
+    assert facts is not None
+    broken = facts.replace(config={**facts.config, "model_type": "no-such-model"})
+    with pytest.raises(
+        SourceError, match=r"^config\.json \(model_type 'no-such-model'\) does not describe"
+    ) as info:
+        broken.linears  # noqa: B018 - the property builds the skeleton
+    assert "\n" not in str(info.value)
