@@ -58,7 +58,12 @@ class PlannedModel:
         )
 
     def replace(self, **changes: Any) -> PlannedModel:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``; the layers already built carry over unless the config changes
+        (export, kv_cache and fusion change other facts: one skeleton serves every graph pass)."""
+        copy = dataclasses.replace(self, **changes)
+        if "config" not in changes and "linears" in self.__dict__:
+            copy.__dict__["linears"] = self.__dict__["linears"]
+        return copy
 
     @cached_property
     def linears(self) -> dict[str, tuple[int, int]]:
