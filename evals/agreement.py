@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from evals.config import QualityConfig
 from pipeline.core.errors import EngineError
 from pipeline.runtime import Engine
+from pipeline.runtime.generate import prompt_step
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 TEXTS = {"gpl-3.0": "gpl-3.0.txt"}
@@ -54,7 +55,9 @@ def _logits(engine: Engine, window: np.ndarray, chunk: int) -> np.ndarray:
     for start in range(0, len(window), step):
         ids = window[None, start : start + step]
         end = start + ids.shape[1]
-        logits, cache = model.step(ids, np.ones((1, end), np.int64), np.arange(start, end)[None], cache)
+        logits, cache = prompt_step(
+            model, ids, np.ones((1, end), np.int64), np.arange(start, end)[None], cache
+        )
         pieces.append(logits[0])
     return np.concatenate(pieces)
 

@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 from pipeline.core.errors import EngineError, first_line
 from pipeline.runtime import Engine, GenerationConfig
-from pipeline.runtime.generate import PREFILL_CHUNK, common_prefix_length, prefill
+from pipeline.runtime.generate import PREFILL_CHUNK, common_prefix_length, prefill, prompt_step
 
 MODEL_NAME = "pipeline-engine"
 LM_EVAL_VERSION = "0.4.13"
@@ -326,7 +326,8 @@ class EngineLM(TemplateLM):
             for index, inputs, targets in members:
                 ids = np.asarray(inputs, dtype=np.int64)[None]
                 total = len(prefix) + len(inputs)
-                logits, _ = model.step(
+                logits, _ = prompt_step(
+                    model,
                     ids,
                     np.ones((1, total), dtype=np.int64),
                     np.arange(len(prefix), total)[None],

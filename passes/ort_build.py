@@ -11,10 +11,14 @@ the folder. Graph optimizations run when the session is created on the serving m
 ORT's offline-optimized models at level "all" are tied to the hardware they were made on.
 
 The engine folder holds the graph's files as hard links (``pipeline.core.graph_io.link_graph_folder``;
-copies only across file systems): a build adds the two JSON files to disk, not the weights.
+copies only across file systems): a build adds the two JSON files to disk, not the weights. An
+``ort-cpu`` engine with an int8 KV cache also gets its prefill graph, ``model.prefill.onnx``
+(``passes/fusion/int8_prefill.py``: prompt tokens attend on the fp32 path over the values the
+int8 cache holds; the same weights file), named in ``engine.json`` as ``prefill_model_file``.
 
 ``ensures``: no unreferenced external-data file; the folder loads in a real ONNX Runtime session
-whose inputs and outputs are exactly the declared names, and a short forward gives finite logits.
+whose inputs and outputs are exactly the declared names, and a short forward gives finite logits
+(through the prefill graph too, which must agree with the engine's top-1 token).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from passes.engine_common import (
     needs_gqa,
     profile_shapes,
 )
+from passes.fusion.int8_prefill import PREFILL_MODEL_FILE, prefill_model
 from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_json, write_metadata
 from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
@@ -177,7 +182,7 @@ def genai_config(
 class OrtCpuBuildPass(Pass):
     Config = OrtCpuTargetConfig
     name = "ort_build"
-    version = 2  # 2: the graph's files hard-linked into the engine folder, not copied
+    version = 3  # 3: an int8-KV ort-cpu engine gets its prefill graph; 2: graph files hard-linked
     memory_profile = "graph"  # files linked; ensures opens one ONNX Runtime session
     consumes = Kind.GRAPH
     produces = Kind.ENGINE
@@ -207,6 +212,10 @@ class OrtCpuBuildPass(Pass):
             out_dir / GENAI_CONFIG, genai_config(metadata, max_length, threads, self.genai_providers())
         )
         kv = metadata.get("kv_cache", {})
+        prefill = {}
+        if self.writes_prefill_graph(kv):
+            prefill = {"prefill_model_file": PREFILL_MODEL_FILE}
+            write_prefill_graph(out_dir / metadata["model_file"], out_dir / PREFILL_MODEL_FILE)
         write_json(
             out_dir / ENGINE_FILE,
             {
@@ -220,6 +229,7 @@ class OrtCpuBuildPass(Pass):
                     else {}
                 ),
                 "model_file": metadata["model_file"],
+                **prefill,
                 "io": {
                     **metadata["io"],
                     "kv_layout": kv.get("layout", "concat"),
@@ -243,6 +253,15 @@ class OrtCpuBuildPass(Pass):
 
     def providers(self) -> list[str]:
         return ["CPUExecutionProvider"]
+
+    def writes_prefill_graph(self, kv: dict[str, Any]) -> bool:
+        """An int8 cache on ONNX Runtime's CPU kernel, which prefills slowly (int8_prefill.py);
+        not a window buffer, whose kernel evicts in place. CUDA has its own int8 kernels."""
+        return (
+            self.providers()[0] == "CPUExecutionProvider"
+            and kv.get("dtype") == "int8"
+            and not kv.get("capacity")
+        )
 
     def genai_providers(self) -> list[dict[str, Any]]:
         """ONNX Runtime GenAI's ``provider_options`` for this target (empty: CPU)."""
@@ -278,7 +297,44 @@ class OrtCpuBuildPass(Pass):
         )
         if not np.isfinite(logits).all():
             raise PassError("build: the engine produced non-finite logits on a 3-token prompt")
-        return {"session_check": "ok"}
+        if engine.model.prefill_session is None:
+            return {"session_check": "ok"}
+        return {"session_check": "ok", "prefill_graph": check_prefill_graph(engine, logits)}
+
+
+def write_prefill_graph(model_path: Path, out: Path) -> int:
+    """Write the prefill graph of the int8-KV graph ``model_path`` to ``out`` (same folder: it
+    reads the same external-data file); returns the attention nodes rewritten."""
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    rewritten = prefill_model(model)
+    onnx.save(model, str(out))
+    return rewritten
+
+
+def check_prefill_graph(engine: Engine, logits: np.ndarray) -> dict[str, Any]:
+    """The prefill graph on the same 3-token prompt: the engine's IO names, finite logits, the
+    engine's top-1 token at every position; returns the largest logit difference."""
+    session = engine.model.prefill_session
+    names = {i.name for i in session.get_inputs()} | {o.name for o in session.get_outputs()}
+    engine_names = {i.name for i in engine.model.session.get_inputs()} | {
+        o.name for o in engine.model.session.get_outputs()
+    }
+    if names != engine_names:
+        raise PassError(
+            f"build: the prefill graph's IO differs from the engine's: {sorted(names ^ engine_names)}"
+        )
+    prompt = np.array([[1, 2, 3]])
+    prefilled, _ = engine.model.prompt_step(
+        prompt, np.ones((1, 3), np.int64), np.arange(3)[None], engine.model.empty_cache(1)
+    )
+    if not np.isfinite(prefilled).all() or (prefilled.argmax(-1) != logits.argmax(-1)).any():
+        raise PassError(
+            "build: the int8-KV prefill graph disagrees with the engine on a 3-token prompt "
+            f"(max |logit diff| {np.abs(prefilled - logits).max():.3g}); see passes/fusion/int8_prefill.py"
+        )
+    return {"max_abs_diff": float(np.abs(prefilled - logits).max())}
 
 
 class OrtCudaBuildPass(OrtCpuBuildPass):

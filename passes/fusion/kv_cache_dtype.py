@@ -4,7 +4,8 @@ or int8 instead of fp32 (ONNX Runtime's GroupQueryAttention, ``T_CACHE``; its
 
 - ``fp16``: the cache tensors are float16; the kernel converts on write and read. No scale.
 - ``int8``: symmetric int8 with one scale per KV head and channel (GQA's ``PER_CHANNEL`` mode,
-  scale shape ``[1, kv_heads, 1, head_dim]``): ``q = round(x / s)`` clipped to [-127, 127],
+  scale shape ``[1, kv_heads, 1, head_dim]``): ``q = round(x / s)``, which the kernel clips to
+  [-128, 127] (measured),
   ``s = amax / 127`` with ``amax`` the largest ``|x|`` of that head and channel on the
   calibration text (``passes/kv_cache.py`` measures it). Per-channel keys follow KIVI (Liu et
   al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache"): key outliers sit

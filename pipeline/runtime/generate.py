@@ -45,6 +45,16 @@ class StepModel(Protocol):
     ) -> tuple[np.ndarray, Any]: ...
 
 
+def prompt_step(
+    model: StepModel, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache: Any
+) -> tuple[np.ndarray, Any]:
+    """``model.step`` for prompt tokens (not tokens the model generated): a model with a
+    ``prompt_step`` (an int8-KV ONNX Runtime engine's prefill graph, ``pipeline/runtime/ort.py``)
+    runs them there."""
+    step = getattr(model, "prompt_step", None) or model.step
+    return step(input_ids, attention_mask, position_ids, cache)
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share."""
     length = 0
@@ -75,7 +85,7 @@ def prefill(
         part = ids[offset : offset + step]
         end = start + offset + len(part)
         mask = np.ones((1, end), dtype=np.int64)
-        _, cache = model.step(part[None], mask, np.arange(start + offset, end)[None], cache)
+        _, cache = prompt_step(model, part[None], mask, np.arange(start + offset, end)[None], cache)
     return cache
 
 
@@ -147,7 +157,7 @@ def generate(
     step_seconds: list[float] = []
 
     start = time.perf_counter()
-    logits, cache = model.step(ids, mask, positions, cache)
+    logits, cache = prompt_step(model, ids, mask, positions, cache)
     last = logits[np.arange(len(prompts)), lengths - 1] if right_padded else logits[:, -1]
     prefill_seconds = 0.0
     for index in range(config.max_new_tokens):

@@ -33,15 +33,22 @@ GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 ORT_TRT_CACHE_ENV = "PIPELINE_ORT_TRT_CACHE"
 
 
-def session_options(threads: int = 0, optimization: str = "all", prepack: bool = True) -> ort.SessionOptions:
+def session_options(
+    threads: int = 0, optimization: str = "all", prepack: bool = True, spin: bool = True
+) -> ort.SessionOptions:
     """ONNX Runtime's options for one of our sessions. ``prepack=False`` keeps the MatMul weights
     as they lie in the external data file (memory-mapped, reclaimable pages) instead of copying
     them into MLAS's packed layout: a session that runs a few steps (the parity checks) then
     holds the weights once, not twice during load (default model: peak 0.71 -> 0.62 GB,
-    logits equal to 1e-5); an engine that serves keeps prepacking (faster GEMMs)."""
+    logits equal to 1e-5); an engine that serves keeps prepacking (faster GEMMs). ``spin=False``:
+    the intra-op threads sleep as soon as a run ends instead of spinning for the next one, for a
+    second session of the same engine (the prefill graph) whose idle threads would otherwise
+    take cores from the decode session's."""
     options = ort.SessionOptions()
     if not prepack:
         options.add_session_config_entry("session.disable_prepacking", "1")
+    if not spin:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads > 0:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
@@ -69,6 +76,7 @@ class OrtModel:
         capacity: int = 0,
         provider_options: Sequence[dict[str, Any]] | None = None,
         prepack: bool = True,
+        prefill_model_path: Path | None = None,
     ) -> None:
         self.io = io
         if io.kv_layout == "shared" and capacity <= 0:
@@ -80,15 +88,27 @@ class OrtModel:
         self._evicts = shared and io.kv_capacity > 0  # a window-sized buffer: never full
         # on a GPU provider the KV cache stays in device memory between steps
         self.device = "cuda" if providers and providers[0] in GPU_PROVIDERS else "cpu"
-        try:
-            self.session = ort.InferenceSession(
-                str(model_path),
-                session_options(threads, optimization, prepack),
-                providers=list(providers),
-                provider_options=list(provider_options) if provider_options else None,
-            )
-        except Exception as exc:  # ORT raises its own pybind types (InvalidGraph, NoSuchFile, ...)
-            raise EngineError(f"ONNX Runtime cannot load {model_path} ({first_line(exc)})") from None
+
+        def load(path: Path, spin: bool = True) -> ort.InferenceSession:
+            try:
+                return ort.InferenceSession(
+                    str(path),
+                    session_options(threads, optimization, prepack, spin),
+                    providers=list(providers),
+                    provider_options=list(provider_options) if provider_options else None,
+                )
+            except Exception as exc:  # ORT raises its own pybind types (InvalidGraph, NoSuchFile, ...)
+                raise EngineError(f"ONNX Runtime cannot load {path} ({first_line(exc)})") from None
+
+        self.session = load(model_path)
+        # An int8-KV engine's prefill graph (passes/fusion/int8_prefill.py): prompt tokens on the
+        # fp32 attention path. Its session holds a second copy of the prepacked weights (ONNX
+        # Runtime's Python API cannot share prepacked weights between sessions).
+        self.prefill_session = (
+            load(prefill_model_path, spin=False)
+            if prefill_model_path is not None and self.device == "cpu" and not self._evicts
+            else None
+        )
         self._past_names = io.past_names()
         self._present_names = io.present_names()
         if io.kv_dtype not in KV_NUMPY_DTYPES:
@@ -122,20 +142,11 @@ class OrtModel:
     ) -> tuple[np.ndarray, list[ort.OrtValue]]:
         """Run one forward; return logits [batch, seq, vocab] and the new cache."""
         binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
-        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
-        if self.io.has_position_ids:
-            binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        logits = self._bind_tokens(binding, input_ids, attention_mask, position_ids)
         for name, value in zip(self._past_names, cache, strict=True):
             binding.bind_ortvalue_input(name, value)
-        logits = np.empty((*input_ids.shape, self.io.vocab_size), dtype=np.float32)
-        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         if self.capacity:  # GroupQueryAttention appends into the buffer it reads from
-            if attention_mask.shape[1] > self.capacity and not self._evicts:
-                raise EngineError(
-                    f"{attention_mask.shape[1]} tokens exceed the shared KV buffer "
-                    f"({self.capacity} positions)"
-                )
+            self._check_capacity(attention_mask)
             for name, value in zip(self._present_names, cache, strict=True):
                 binding.bind_ortvalue_output(name, value)
             self.session.run_with_iobinding(binding)
@@ -145,6 +156,66 @@ class OrtModel:
         self.session.run_with_iobinding(binding)
         present = binding.get_outputs()[1:]
         return logits, list(present)
+
+    def prompt_step(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        cache: list[ort.OrtValue],
+    ) -> tuple[np.ndarray, list[ort.OrtValue]]:
+        """:meth:`step` for prompt tokens (a prefill, a chunk of one, a scored continuation; not
+        tokens the model generated): on an int8-KV engine the prefill graph runs them, its
+        attention in fp32 over the values the int8 cache holds. It reads the cache as a concat
+        cache; with a shared buffer, the past positions are fed as a copy and each row's new
+        positions written back into the buffer."""
+        if self.prefill_session is None:
+            return self.step(input_ids, attention_mask, position_ids, cache)
+        binding = self.prefill_session.io_binding()
+        logits = self._bind_tokens(binding, input_ids, attention_mask, position_ids)
+        new = input_ids.shape[1]
+        buffers = []
+        if self.capacity:
+            self._check_capacity(attention_mask)
+            buffers = [value.numpy() for value in cache]  # views: writes land in the buffer
+            past = attention_mask.shape[1] - new
+            for name, buffer in zip(self._past_names, buffers, strict=True):
+                binding.bind_cpu_input(name, np.ascontiguousarray(buffer[:, :, :past]))
+        else:
+            for name, value in zip(self._past_names, cache, strict=True):
+                binding.bind_ortvalue_input(name, value)
+        for name in self._present_names:
+            binding.bind_output(name, "cpu")
+        self.prefill_session.run_with_iobinding(binding)
+        present = binding.get_outputs()[1:]
+        if not self.capacity:
+            return logits, list(present)
+        # Each row's new tokens sit at max(length - new, 0)..length-1 (GroupQueryAttention's rule).
+        lengths = attention_mask.sum(-1)
+        for buffer, value in zip(buffers, present, strict=True):
+            written = value.numpy()
+            for row, length in enumerate(lengths.tolist()):
+                start = max(length - new, 0)
+                buffer[row, :, start:length] = written[row, :, start:length]
+        return logits, cache
+
+    def _bind_tokens(
+        self, binding: Any, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray
+    ) -> np.ndarray:
+        """Bind the token inputs; return the logits buffer bound as the output."""
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
+        if self.io.has_position_ids:
+            binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        logits = np.empty((*input_ids.shape, self.io.vocab_size), dtype=np.float32)
+        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        return logits
+
+    def _check_capacity(self, attention_mask: np.ndarray) -> None:
+        if attention_mask.shape[1] > self.capacity and not self._evicts:
+            raise EngineError(
+                f"{attention_mask.shape[1]} tokens exceed the shared KV buffer ({self.capacity} positions)"
+            )
 
     def cache_arrays(self, cache: list[ort.OrtValue]) -> list[np.ndarray]:
         """The cache as numpy arrays, for rearranging rows (continuous batching). Copies:
@@ -201,10 +272,19 @@ class Engine:
     (``engine.json`` ``speculative: {draft, k}``); greedy single-sequence decoding then runs
     speculatively (:mod:`pipeline.runtime.speculative`), unless ``speculative=False``. Sampled
     decoding and batches of several prompts always run the target alone.
+
+    An int8-KV ``ort-cpu`` engine runs prompt tokens through its prefill graph
+    (``prefill_model_file``, :meth:`OrtModel.prompt_step`); ``prefill_graph=False`` runs them on
+    the int8 kernel instead, without the prefill session's copy of the prepacked weights.
     """
 
     def __init__(
-        self, folder: Path, threads: int = 0, speculative: bool = True, prepack: bool = True
+        self,
+        folder: Path,
+        threads: int = 0,
+        speculative: bool = True,
+        prepack: bool = True,
+        prefill_graph: bool = True,
     ) -> None:
         self.folder = Path(folder)
         spec_path = self.folder / ENGINE_FILE
@@ -246,6 +326,7 @@ class Engine:
                 capacity=self.max_length,
                 provider_options=resolve_provider_options(self.spec.get("provider_options")),
                 prepack=prepack,
+                prefill_model_path=self._prefill_model_file(spec_path) if prefill_graph else None,
             )
         self._tokenizer: Any = None
         tokens = self.spec.get("tokens", {})
@@ -259,6 +340,16 @@ class Engine:
         plan = self.spec.get("speculative")
         if plan and speculative:
             self.draft, self.speculative_k = self._load_draft(plan, threads, spec_path)
+
+    def _prefill_model_file(self, spec_path: Path) -> Path | None:
+        """The int8-KV engine's prefill graph (``engine.json`` ``prefill_model_file``), if any."""
+        name = self.spec.get("prefill_model_file")
+        if name is None:
+            return None
+        path = self.folder / str(name)
+        if Path(str(name)).name != str(name) or not path.is_file():
+            raise EngineError(f"{spec_path} names prefill graph {name!r}, which the folder lacks: rebuild it")
+        return path
 
     def _load_draft(self, plan: Any, threads: int, spec_path: Path) -> tuple[Engine, int]:
         try:

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.errors import EngineError
-from pipeline.runtime.generate import right_padded_mask
+from pipeline.runtime.generate import prompt_step, right_padded_mask
 
 _DONE = object()
 
@@ -282,7 +282,7 @@ class _StackedRows(_Rows):
         cache = model.cache_from_arrays(cached) if cached is not None else model.empty_cache(1)
         ids = np.asarray(prompt[hit:], dtype=np.int64)[None]
         positions = np.arange(hit, len(prompt), dtype=np.int64)[None]
-        logits, cache = model.step(ids, np.ones((1, len(prompt)), np.int64), positions, cache)
+        logits, cache = prompt_step(model, ids, np.ones((1, len(prompt)), np.int64), positions, cache)
         self._newcomer = model.cache_arrays(cache)
         return logits[0, -1]
 
@@ -415,7 +415,7 @@ class _SlotPool(_Rows):
         ids = np.asarray(prompt[hit:], dtype=np.int64)[None]
         positions = np.arange(hit, len(prompt), dtype=np.int64)[None]
         cache = self.model.pool_cache(self.pool, slot, slot + 1)
-        logits, _ = self.model.step(ids, np.ones((1, len(prompt)), np.int64), positions, cache)
+        logits, _ = prompt_step(self.model, ids, np.ones((1, len(prompt)), np.int64), positions, cache)
         self._newcomer_length = len(prompt)
         return logits[0, -1]
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pipeline.runtime.generate import GenerationResult, StepModel
+from pipeline.runtime.generate import GenerationResult, StepModel, prompt_step
 
 
 class CacheModel(StepModel, Protocol):
@@ -69,13 +69,18 @@ class _Stepper:
         self.cache = model.empty_cache(1)
         self.length = 0
 
-    def feed(self, tokens: Sequence[int]) -> np.ndarray:
-        """Append ``tokens``; return their logits [len(tokens), vocab]."""
+    def feed(self, tokens: Sequence[int], prompt: bool = False) -> np.ndarray:
+        """Append ``tokens``; return their logits [len(tokens), vocab]. ``prompt``: they are the
+        prompt (``prompt_step``); verified draft tokens take the decode path, whose result is
+        the target's own token for token."""
         ids = np.asarray([tokens], dtype=np.int64)
         end = self.length + len(tokens)
         mask = np.ones((1, end), dtype=np.int64)
         positions = np.arange(self.length, end, dtype=np.int64)[None, :]
-        logits, self.cache = self.model.step(ids, mask, positions, self.cache)
+        if prompt:
+            logits, self.cache = prompt_step(self.model, ids, mask, positions, self.cache)
+        else:
+            logits, self.cache = self.model.step(ids, mask, positions, self.cache)
         self.length = end
         return logits[0]
 
@@ -119,10 +124,10 @@ def speculative_generate(
         return False
 
     start = time.perf_counter()
-    first = int(verifier.feed(sequence)[-1].argmax())
+    first = int(verifier.feed(sequence, prompt=True)[-1].argmax())
     done = emit([first]) or max_new_tokens <= 1
     if not done:  # the draft reads the prompt too: part of the prefill, not of any decode step
-        proposer.feed(sequence[:-1])
+        proposer.feed(sequence[:-1], prompt=True)
     prefill_seconds = time.perf_counter() - start
     # The target's cache holds every token but the last emitted one, which the next round feeds.
     while not done:

@@ -1,0 +1,152 @@
+"""The int8 KV cache's prefill, measured: TTFT and TPOT of an int8-KV engine with its prefill
+graph (``passes/fusion/int8_prefill.py``), of the same engine on the int8 kernel alone
+(``Engine(prefill_graph=False)``), and of the same recipe with an fp32 cache (the peer), in one
+run.
+
+For each ``--tokens`` prompt length, a random prompt is decoded ``--new-tokens`` tokens greedily
+by each engine in turn, ``--repeats`` times interleaved (after one warm-up round); the table
+gives the median TTFT and TPOT and their ratios to the fp32-cache engine, the resident memory
+each engine added when it loaded, and the load average before and after (the machine is shared:
+compare ratios).
+
+    python benchmarks/kv_int8_prefill.py --int8 <engine> --fp32 <engine> [--tokens 512 2048]
+        [--new-tokens 32] [--repeats 5] [--json out.json]
+
+Engines as ``benchmarks/fusion.py`` builds them: ``artifacts/benchmarks/fusion/
+int4_awq-fused-shared-int8-KV/engine`` and ``.../int4_awq-fused-shared/engine``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def rss_mib() -> float:
+    """This process's resident memory now (Linux ``/proc``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def load_engines(int8: Path, fp32: Path) -> tuple[dict[str, Any], dict[str, float]]:
+    """The three contestants, and the resident memory each added when it loaded."""
+    from pipeline.runtime import Engine
+
+    engines, added = {}, {}
+    for name, folder, prefill_graph in (
+        ("fp32 cache", fp32, True),
+        ("int8 cache, prefill graph", int8, True),
+        ("int8 cache, int8 kernel only", int8, False),
+    ):
+        before = rss_mib()
+        engines[name] = Engine(folder, prefill_graph=prefill_graph)
+        added[name] = rss_mib() - before
+    if engines["int8 cache, prefill graph"].model.prefill_session is None:
+        raise SystemExit(
+            f"--int8 {int8}: the engine has no prefill graph; rebuild it (target ort-cpu, int8 cache)"
+        )
+    return engines, added
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    from pipeline.runtime import GenerationConfig
+
+    engines, added = load_engines(args.int8, args.fp32)
+    config = GenerationConfig(max_new_tokens=args.new_tokens, stop_at_eos=False)
+    rng = np.random.default_rng(0)
+    vocab = next(iter(engines.values())).io.vocab_size
+    rows = []
+    for length in args.tokens:
+        prompt = [rng.integers(4, vocab, size=length).tolist()]
+        ttft: dict[str, list[float]] = {name: [] for name in engines}
+        tpot: dict[str, list[float]] = {name: [] for name in engines}
+        tokens: dict[str, list[int]] = {}
+        for repeat in range(args.repeats + 1):  # round 0 warms up
+            for name, engine in engines.items():
+                result = engine.generate_ids(prompt, config)
+                tokens[name] = result.tokens[0]
+                if repeat:
+                    ttft[name].append(result.prefill_seconds)
+                    tpot[name].append(statistics.median(result.step_seconds))
+        peer = "fp32 cache"
+        for name in engines:
+            row = {
+                "tokens": length,
+                "engine": name,
+                "ttft_s": statistics.median(ttft[name]),
+                "tpot_s": statistics.median(tpot[name]),
+                "same_tokens_as_fp32": tokens[name] == tokens[peer],
+                "rss_added_mib": added[name],
+            }
+            rows.append(row)
+        for row in rows[-len(engines) :]:
+            peer_row = rows[-len(engines)]
+            row["ttft_vs_fp32"] = row["ttft_s"] / peer_row["ttft_s"]
+            row["tpot_vs_fp32"] = row["tpot_s"] / peer_row["tpot_s"]
+    return {
+        "int8": str(args.int8),
+        "fp32": str(args.fp32),
+        "repeats": args.repeats,
+        "new_tokens": args.new_tokens,
+        "rows": rows,
+    }
+
+
+def print_table(record: dict[str, Any]) -> None:
+    header = (
+        f"{'tokens':>6}  {'engine':<30} {'TTFT ms':>8} {'vs fp32':>8} {'TPOT ms':>8} {'vs fp32':>8} "
+        f"{'RSS +MiB':>9}  tokens = fp32's"
+    )
+    print(header)
+    for row in record["rows"]:
+        print(
+            f"{row['tokens']:>6}  {row['engine']:<30} {row['ttft_s'] * 1e3:>8.0f} {row['ttft_vs_fp32']:>7.2f}x "
+            f"{row['tpot_s'] * 1e3:>8.2f} {row['tpot_vs_fp32']:>7.2f}x {row['rss_added_mib']:>9.0f}  "
+            f"{'yes' if row['same_tokens_as_fp32'] else 'no'}"
+        )
+    load = " -> ".join("/".join(f"{x:.1f}" for x in record[k]) for k in ("load_before", "load_after"))
+    print(
+        f"load average (1/5/15 min) {load}; medians of {record['repeats']} interleaved runs, "
+        f"TPOT over {record['new_tokens']} new tokens"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--int8", type=Path, required=True, help="engine folder with an int8 KV cache")
+    parser.add_argument(
+        "--fp32", type=Path, required=True, help="the same recipe's engine with an fp32 cache"
+    )
+    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path, help="also write the record here")
+    args = parser.parse_args(argv)
+    for flag, folder in (("--int8", args.int8), ("--fp32", args.fp32)):
+        if not (folder / "engine.json").is_file():
+            parser.error(f"{flag} {folder}: no engine.json there (an engine folder of a pipeline run)")
+    if args.repeats < 1 or min(args.tokens) < 1 or args.new_tokens < 2:
+        parser.error("--repeats and --tokens must be at least 1, --new-tokens at least 2")
+    load_before = os.getloadavg()
+    record = measure(args)
+    record["load_before"], record["load_after"] = load_before, os.getloadavg()
+    print_table(record)
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
