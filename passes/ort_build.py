@@ -44,7 +44,7 @@ from passes.fusion.int8_prefill import PREFILL_MODEL_FILE, prefill_model
 from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_json, write_metadata
 from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
-from pipeline.core.engine import ENGINE_FILE
+from pipeline.core.engine import ENGINE_FILE, LOGITS_POSITIONS
 from pipeline.core.errors import PassError
 from pipeline.core.gpu import require_ort_provider
 from pipeline.core.graph_io import check_data_files, graph_ops, link_graph_folder
@@ -314,22 +314,29 @@ def write_prefill_graph(model_path: Path, out: Path) -> int:
 
 
 def check_prefill_graph(engine: Engine, logits: np.ndarray) -> dict[str, Any]:
-    """The prefill graph on the same 3-token prompt: the engine's IO names, finite logits, the
-    engine's top-1 token at every position; returns the largest logit difference."""
+    """The prefill graph on the same 3-token prompt: the engine's IO names (and
+    ``logits_positions``), finite logits, the engine's top-1 token at every position, and the
+    last position alone equal to it among all; returns the largest logit difference."""
     session = engine.model.prefill_session
     names = {i.name for i in session.get_inputs()} | {o.name for o in session.get_outputs()}
     engine_names = {i.name for i in engine.model.session.get_inputs()} | {
         o.name for o in engine.model.session.get_outputs()
     }
-    if names != engine_names:
+    expected = engine_names | {LOGITS_POSITIONS}
+    if names != expected:
         raise PassError(
-            f"build: the prefill graph's IO differs from the engine's: {sorted(names ^ engine_names)}"
+            f"build: the prefill graph's IO differs from the engine's: {sorted(names ^ expected)}"
         )
-    prompt = np.array([[1, 2, 3]])
-    prefilled, _ = engine.model.prompt_step(
-        prompt, np.ones((1, 3), np.int64), np.arange(3)[None], engine.model.empty_cache(1)
+    prompt, mask, positions = np.array([[1, 2, 3]]), np.ones((1, 3), np.int64), np.arange(3)[None]
+    prefilled, _ = engine.model.prompt_step(prompt, mask, positions, engine.model.empty_cache(1))
+    last, _ = engine.model.prompt_step(
+        prompt, mask, positions, engine.model.empty_cache(1), logits_at=np.array([2])
     )
-    if not np.isfinite(prefilled).all() or (prefilled.argmax(-1) != logits.argmax(-1)).any():
+    if (
+        not np.isfinite(prefilled).all()
+        or (prefilled.argmax(-1) != logits.argmax(-1)).any()
+        or np.abs(last[:, 0] - prefilled[:, -1]).max() > 1e-4 * np.ptp(prefilled)
+    ):
         raise PassError(
             "build: the int8-KV prefill graph disagrees with the engine on a 3-token prompt "
             f"(max |logit diff| {np.abs(prefilled - logits).max():.3g}); see passes/fusion/int8_prefill.py"

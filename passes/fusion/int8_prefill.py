@@ -23,9 +23,15 @@ kernel puts it and everything else runs on the fp32 path:
    dequantized past and the fake-quantized new tokens, is quantized back to int8 (exact: every
    value is ``s * q``).
 
-The graph's inputs and outputs are the engine's own (int8 caches), so the runtime feeds it the
-same cache, as a concat cache (``pipeline/runtime/ort.py`` copies the new positions into a shared
-buffer). It reads the engine's weights from the same external-data file.
+And the LM head computes only the positions a caller asks for: an extra input
+``logits_positions`` [batch, k] (indices into the step's tokens; ``GatherND`` on the final hidden
+states), so a prefill that only needs each row's last token skips the [tokens, vocab] product
+(the default model at 2048 tokens: 367 of 2655 ms, and 400 MB of logits) while scoring still
+gets every position.
+
+The graph's other inputs and outputs are the engine's own (int8 caches), so the runtime feeds it
+the same cache, as a concat cache (``pipeline/runtime/ort.py`` copies the new positions into a
+shared buffer). It reads the engine's weights from the same external-data file.
 
 Not a pattern rule: it rewrites nodes the attention rule already made, one graph variant for the
 engine build (``passes/ort_build.py``); the protobuf is edited directly, as in
@@ -38,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.engine import LOGITS_POSITIONS
 from pipeline.core.errors import PassError
 
 PREFILL_MODEL_FILE = "model.prefill.onnx"
@@ -181,7 +188,29 @@ def prefill_model(model: Any) -> int:
         raise PassError("the graph has no GroupQueryAttention with an int8 cache: no prefill graph to make")
     del graph.node[:]
     graph.node.extend(rewritten)
+    _select_logits(graph, node, constant)
     return count
+
+
+def _select_logits(graph: Any, node: Any, constant: Any) -> None:
+    """Feed the LM head only the hidden states at ``logits_positions`` (per row)."""
+    from onnx import TensorProto, helper
+
+    index, head = next(
+        ((i, n) for i, n in enumerate(graph.node) if n.output and n.output[0] == "logits"),
+        (-1, None),
+    )
+    if head is None or head.op_type not in ("MatMul", "MatMulNBits", "Gemm"):
+        raise PassError("the graph's logits do not come from one LM head matmul: no prefill graph to make")
+    graph.input.append(
+        helper.make_tensor_value_info(LOGITS_POSITIONS, TensorProto.INT64, ["batch_size", "logits_positions"])
+    )
+    axis = constant(np.array([-1], np.int64), "axis_last")
+    unsqueeze, indices = node("Unsqueeze", [LOGITS_POSITIONS, axis], "prefill.logits_indices")
+    gather, selected = node("GatherND", [head.input[0], indices], "prefill.selected_hidden", batch_dims=1)
+    head.input[0] = selected
+    for offset, made in enumerate((unsqueeze, gather)):
+        graph.node.insert(index + offset, made)
 
 
 def _input_ids(graph: Any) -> str:

@@ -20,6 +20,9 @@ KV_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8
 # Cache types numpy has no dtype for: held on the host as their raw 8-bit codes (uint8) and
 # handed to ONNX Runtime with the ONNX element type (onnx.TensorProto.FLOAT8E4M3FN = 17).
 KV_ONNX_ELEMENT_TYPES = {"float8_e4m3fn": 17}
+# The extra input of an int8-KV engine's prefill graph (``prefill_model_file``,
+# passes/fusion/int8_prefill.py): [batch, k] indices into the step's tokens whose logits it computes.
+LOGITS_POSITIONS = "logits_positions"
 
 
 @dataclass(frozen=True)

@@ -46,13 +46,29 @@ class StepModel(Protocol):
 
 
 def prompt_step(
-    model: StepModel, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache: Any
+    model: StepModel,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    position_ids: np.ndarray,
+    cache: Any,
+    logits_at: np.ndarray | None = None,
 ) -> tuple[np.ndarray, Any]:
     """``model.step`` for prompt tokens (not tokens the model generated): a model with a
     ``prompt_step`` (an int8-KV ONNX Runtime engine's prefill graph, ``pipeline/runtime/ort.py``)
-    runs them there."""
-    step = getattr(model, "prompt_step", None) or model.step
-    return step(input_ids, attention_mask, position_ids, cache)
+    runs them there. ``logits_at`` [batch]: return only each row's logits at that index of the
+    step's tokens, as [batch, 1, vocab] (a prefill graph then computes no others)."""
+    if hasattr(model, "prompt_step"):
+        return model.prompt_step(input_ids, attention_mask, position_ids, cache, logits_at=logits_at)
+    logits, cache = model.step(input_ids, attention_mask, position_ids, cache)
+    return select_logits(logits, logits_at), cache
+
+
+def select_logits(logits: np.ndarray, logits_at: np.ndarray | None) -> np.ndarray:
+    """``logits`` [batch, seq, vocab] at one position per row (``logits_at`` [batch]) as [batch,
+    1, vocab]; all of them when ``logits_at`` is None."""
+    if logits_at is None:
+        return logits
+    return logits[np.arange(logits.shape[0]), np.asarray(logits_at).reshape(-1)][:, None]
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -85,7 +101,14 @@ def prefill(
         part = ids[offset : offset + step]
         end = start + offset + len(part)
         mask = np.ones((1, end), dtype=np.int64)
-        _, cache = prompt_step(model, part[None], mask, np.arange(start + offset, end)[None], cache)
+        _, cache = prompt_step(
+            model,
+            part[None],
+            mask,
+            np.arange(start + offset, end)[None],
+            cache,
+            logits_at=np.array([len(part) - 1]),
+        )
     return cache
 
 
@@ -157,8 +180,9 @@ def generate(
     step_seconds: list[float] = []
 
     start = time.perf_counter()
-    logits, cache = prompt_step(model, ids, mask, positions, cache)
-    last = logits[np.arange(len(prompts)), lengths - 1] if right_padded else logits[:, -1]
+    last_index = lengths - 1 if right_padded else np.full(len(prompts), ids.shape[1] - 1)
+    logits, cache = prompt_step(model, ids, mask, positions, cache, logits_at=last_index)
+    last = logits[:, 0]
     prefill_seconds = 0.0
     for index in range(config.max_new_tokens):
         next_tokens = sample_next(last, config, rng)

@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from pipeline.core.engine import ENGINE_FILE, KV_NUMPY_DTYPES, KV_ONNX_ELEMENT_TYPES, IOSpec
+from pipeline.core.engine import ENGINE_FILE, KV_NUMPY_DTYPES, KV_ONNX_ELEMENT_TYPES, LOGITS_POSITIONS, IOSpec
 from pipeline.core.errors import ConfigError, EngineError, first_line
 from pipeline.core.gpu import require_ort_provider
 from pipeline.core.graph_io import graph_ops
-from pipeline.runtime.generate import GenerationConfig, GenerationResult, generate
+from pipeline.runtime.generate import GenerationConfig, GenerationResult, generate, select_logits
 from pipeline.runtime.serving import Completion, Request, ServingLimits, serve
 from pipeline.runtime.speculative import DraftStats, speculative_generate
 
@@ -163,16 +163,25 @@ class OrtModel:
         attention_mask: np.ndarray,
         position_ids: np.ndarray,
         cache: list[ort.OrtValue],
+        logits_at: np.ndarray | None = None,
     ) -> tuple[np.ndarray, list[ort.OrtValue]]:
         """:meth:`step` for prompt tokens (a prefill, a chunk of one, a scored continuation; not
         tokens the model generated): on an int8-KV engine the prefill graph runs them, its
         attention in fp32 over the values the int8 cache holds. It reads the cache as a concat
         cache; with a shared buffer, the past positions are fed as a copy and each row's new
-        positions written back into the buffer."""
+        positions written back into the buffer. ``logits_at`` [batch]: the one position of each
+        row (an index into this step's tokens) whose logits are wanted, returned as [batch, 1,
+        vocab], which the prefill graph computes alone; None: every position."""
         if self.prefill_session is None:
-            return self.step(input_ids, attention_mask, position_ids, cache)
+            logits, cache = self.step(input_ids, attention_mask, position_ids, cache)
+            return select_logits(logits, logits_at), cache
         binding = self.prefill_session.io_binding()
-        logits = self._bind_tokens(binding, input_ids, attention_mask, position_ids)
+        wanted = (
+            np.broadcast_to(np.arange(input_ids.shape[1]), input_ids.shape)
+            if logits_at is None
+            else np.asarray(logits_at).reshape(-1, 1)
+        )
+        logits = self._bind_tokens(binding, input_ids, attention_mask, position_ids, wanted)
         new = input_ids.shape[1]
         buffers = []
         if self.capacity:
@@ -200,14 +209,24 @@ class OrtModel:
         return logits, cache
 
     def _bind_tokens(
-        self, binding: Any, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray
+        self,
+        binding: Any,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        logits_positions: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Bind the token inputs; return the logits buffer bound as the output."""
+        """Bind the token inputs (and the prefill graph's ``logits_positions``); return the
+        logits buffer bound as the output."""
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
         if self.io.has_position_ids:
             binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
-        logits = np.empty((*input_ids.shape, self.io.vocab_size), dtype=np.float32)
+        shape = input_ids.shape
+        if logits_positions is not None:
+            binding.bind_cpu_input(LOGITS_POSITIONS, np.ascontiguousarray(logits_positions, dtype=np.int64))
+            shape = logits_positions.shape
+        logits = np.empty((*shape, self.io.vocab_size), dtype=np.float32)
         binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         return logits
 

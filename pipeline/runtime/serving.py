@@ -282,7 +282,8 @@ class _StackedRows(_Rows):
         cache = model.cache_from_arrays(cached) if cached is not None else model.empty_cache(1)
         ids = np.asarray(prompt[hit:], dtype=np.int64)[None]
         positions = np.arange(hit, len(prompt), dtype=np.int64)[None]
-        logits, cache = prompt_step(model, ids, np.ones((1, len(prompt)), np.int64), positions, cache)
+        last = np.array([ids.shape[1] - 1])
+        logits, cache = prompt_step(model, ids, np.ones((1, len(prompt)), np.int64), positions, cache, last)
         self._newcomer = model.cache_arrays(cache)
         return logits[0, -1]
 
@@ -415,7 +416,8 @@ class _SlotPool(_Rows):
         ids = np.asarray(prompt[hit:], dtype=np.int64)[None]
         positions = np.arange(hit, len(prompt), dtype=np.int64)[None]
         cache = self.model.pool_cache(self.pool, slot, slot + 1)
-        logits, _ = prompt_step(self.model, ids, np.ones((1, len(prompt)), np.int64), positions, cache)
+        last = np.array([ids.shape[1] - 1])
+        logits, _ = prompt_step(self.model, ids, np.ones((1, len(prompt)), np.int64), positions, cache, last)
         self._newcomer_length = len(prompt)
         return logits[0, -1]
 

@@ -71,14 +71,15 @@ class _Stepper:
 
     def feed(self, tokens: Sequence[int], prompt: bool = False) -> np.ndarray:
         """Append ``tokens``; return their logits [len(tokens), vocab]. ``prompt``: they are the
-        prompt (``prompt_step``); verified draft tokens take the decode path, whose result is
-        the target's own token for token."""
+        prompt (``prompt_step``, the last token's logits only); verified draft tokens take the
+        decode path, whose result is the target's own token for token."""
         ids = np.asarray([tokens], dtype=np.int64)
         end = self.length + len(tokens)
         mask = np.ones((1, end), dtype=np.int64)
         positions = np.arange(self.length, end, dtype=np.int64)[None, :]
-        if prompt:
-            logits, self.cache = prompt_step(self.model, ids, mask, positions, self.cache)
+        if prompt:  # the prompt's last logits only: the first new token
+            last = np.array([len(tokens) - 1])
+            logits, self.cache = prompt_step(self.model, ids, mask, positions, self.cache, last)
         else:
             logits, self.cache = self.model.step(ids, mask, positions, self.cache)
         self.length = end

@@ -18,6 +18,7 @@ from passes.fusion.int8_prefill import PREFILL_MODEL_FILE, is_int8_cache, prefil
 from passes.kv_cache import KvCachePass
 from passes.ort_build import OrtCpuBuildPass
 from pipeline.core.artifacts import Artifact
+from pipeline.core.engine import LOGITS_POSITIONS
 from pipeline.core.errors import EngineError, PassError
 from pipeline.core.graph_io import check_data_files
 from pipeline.runtime import Engine, GenerationConfig
@@ -70,8 +71,10 @@ def test_the_build_writes_and_records_the_prefill_graph(built: tuple[Artifact, d
     ops = [node.op_type for node in graph.graph.node]
     assert ops.count("GroupQueryAttention") == layers and ops.count("RotaryEmbedding") == 2 * layers
     assert is_int8_cache(main) and not is_int8_cache(graph)
-    # the engine's IO, int8 caches included, and the engine's weights file, not a copy
+    # the engine's IO, int8 caches included, and which logits to compute; the engine's weights
+    # file, not a copy
     io = {v.name: v.type.tensor_type.elem_type for v in (*main.graph.input, *main.graph.output)}
+    io[LOGITS_POSITIONS] = onnx.TensorProto.INT64
     assert {v.name: v.type.tensor_type.elem_type for v in (*graph.graph.input, *graph.graph.output)} == io
     assert sorted(p.name for p in engine.path.glob("*.data")) == ["model.onnx.data"]
     check_data_files(engine.path, "test")
@@ -157,3 +160,18 @@ def test_engine_refuses_a_missing_prefill_graph_and_can_run_without_it(
         (folder / "engine.json").write_text(json.dumps(spec))
         with pytest.raises(EngineError, match="which the folder lacks: rebuild it"):
             Engine(folder)
+
+
+@pytest.mark.parametrize("prefill_graph", [True, False])
+def test_logits_at_gives_each_rows_position_alone(built: tuple[Artifact, dict], prefill_graph: bool) -> None:
+    """Two right-padded prompts: the logits at each row's last token, asked for alone, are those
+    of the full [batch, tokens, vocab] output, with the prefill graph and without it."""
+    model = Engine(built[0].path, prefill_graph=prefill_graph).model
+    lengths = np.array([PROMPT.shape[1], 9])
+    ids = np.stack([PROMPT[0], np.r_[PROMPT[0, :9], np.full(PROMPT.shape[1] - 9, 2)]])
+    mask = (np.arange(ids.shape[1]) < lengths[:, None]).astype(np.int64)
+    positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+    every, _ = model.prompt_step(ids, mask, positions, model.empty_cache(2))
+    last, _ = model.prompt_step(ids, mask, positions, model.empty_cache(2), logits_at=lengths - 1)
+    assert every.shape == (2, ids.shape[1], model.io.vocab_size) and last.shape == (2, 1, model.io.vocab_size)
+    np.testing.assert_allclose(last[:, 0], every[[0, 1], lengths - 1], atol=1e-5 * np.ptp(every))
