@@ -4,7 +4,8 @@ graph (``passes/fusion/int8_prefill.py``), of the same engine on the int8 kernel
 run.
 
 For each ``--tokens`` prompt length, a random prompt is decoded ``--new-tokens`` tokens greedily
-by each engine in turn, ``--repeats`` times interleaved (after one warm-up round); the table
+by each engine in turn, ``--repeats`` times interleaved in a rotating order (after one warm-up
+round); the table
 gives the median TTFT and TPOT and their ratios to the fp32-cache engine, the resident memory
 each engine added when it loaded, and the load average before and after (the machine is shared:
 compare ratios).
@@ -73,9 +74,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         ttft: dict[str, list[float]] = {name: [] for name in engines}
         tpot: dict[str, list[float]] = {name: [] for name in engines}
         tokens: dict[str, list[int]] = {}
+        names = list(engines)
         for repeat in range(args.repeats + 1):  # round 0 warms up
-            for name, engine in engines.items():
-                result = engine.generate_ids(prompt, config)
+            # rotated each round, so no engine always runs right after the same other one
+            for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+                result = engines[name].generate_ids(prompt, config)
                 tokens[name] = result.tokens[0]
                 if repeat:
                     ttft[name].append(result.prefill_seconds)
@@ -112,7 +115,8 @@ def print_table(record: dict[str, Any]) -> None:
     print(header)
     for row in record["rows"]:
         print(
-            f"{row['tokens']:>6}  {row['engine']:<30} {row['ttft_s'] * 1e3:>8.0f} {row['ttft_vs_fp32']:>7.2f}x "
+            f"{row['tokens']:>6}  {row['engine']:<30} "
+            f"{row['ttft_s'] * 1e3:>8.0f} {row['ttft_vs_fp32']:>7.2f}x "
             f"{row['tpot_s'] * 1e3:>8.2f} {row['tpot_vs_fp32']:>7.2f}x {row['rss_added_mib']:>9.0f}  "
             f"{'yes' if row['same_tokens_as_fp32'] else 'no'}"
         )
