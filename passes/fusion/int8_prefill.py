@@ -3,9 +3,10 @@ values quantized once, for steps of many new tokens.
 
 Why: ONNX Runtime's CPU GroupQueryAttention with an int8 cache (``kv_cache_dtype.py``,
 ``PER_CHANNEL``) dequantizes inside the attention loop, which is bandwidth-cheap for a decode
-step but leaves prefill off the fp32 GEMM path: the default model's int4 engine prefills 512
-tokens in 1108 ms with the int8 cache and 620 ms with fp32 attention, 2048 tokens in 8.3 s and
-3.4 s (2 cores, ONNX Runtime 1.32; ``benchmarks/kv_int8_prefill.py``). The kernel attends over
+step but leaves prefill off the fp32 GEMM path: the default model's int4_awq engine reaches its
+first token after a 512-token prompt in 906 ms on the kernel and 543 ms with this graph, after
+2048 tokens in 8.4 s and 3.0 s (the same recipe with an fp32 cache: 649 ms and 3.5 s; 2 cores,
+ONNX Runtime 1.32; ``benchmarks/kv_int8_prefill.py``). The kernel attends over
 the dequantized cache for every token, the new ones included (prefilling 40 tokens at once or
 in two chunks gives bit-identical logits), so prefix-cache hits and chunked prefill are exact.
 
@@ -26,7 +27,8 @@ kernel puts it and everything else runs on the fp32 path:
 And the LM head computes only the positions a caller asks for: an extra input
 ``logits_positions`` [batch, k] (indices into the step's tokens; ``GatherND`` on the final hidden
 states), so a prefill that only needs each row's last token skips the [tokens, vocab] product
-(the default model at 2048 tokens: 367 of 2655 ms, and 400 MB of logits) while scoring still
+(the default model at 2048 tokens: 367 of 2655 ms in an ONNX Runtime profile, and 400 MB of
+logits) while scoring still
 gets every position.
 
 The graph's other inputs and outputs are the engine's own (int8 caches), so the runtime feeds it
