@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from recording import measure_and_report  # noqa: E402  (beside this script)
 
 GIB = 2**30
 
@@ -207,13 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--engine {args.engine}: no engine.json there (an engine folder of a pipeline run)")
     if args.repeats < 1 or min(args.contexts) < 1 or args.new_tokens < 2 or args.bandwidth_mib < 1:
         parser.error("--repeats, --contexts and --bandwidth-mib must be at least 1, --new-tokens at least 2")
-    load_before = os.getloadavg()
-    record = measure(args)
-    record["load_before"], record["load_after"] = load_before, os.getloadavg()
-    print_table(record)
-    if args.json:
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
-    return 0
+    return measure_and_report(lambda: measure(args), print_table, args.json)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,6 @@ int4_awq-fused-shared-int8-KV/engine`` and ``.../int4_awq-fused-shared/engine``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -31,6 +29,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from recording import measure_and_report  # noqa: E402  (beside this script)
 
 
 def rss_mib() -> float:
@@ -168,13 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} {folder}: no engine.json there (an engine folder of a pipeline run)")
     if args.repeats < 1 or min(args.tokens) < 1 or args.new_tokens < 2:
         parser.error("--repeats and --tokens must be at least 1, --new-tokens at least 2")
-    load_before = os.getloadavg()
-    record = measure(args)
-    record["load_before"], record["load_after"] = load_before, os.getloadavg()
-    print_table(record)
-    if args.json:
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
-    return 0
+    return measure_and_report(lambda: measure(args), print_table, args.json)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ before and after (the machine is shared: compare ratios).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -26,6 +24,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from recording import measure_and_report  # noqa: E402  (beside this script)
 
 
 def measure(engine: Path, tokens: list[int], chunks: list[int], repeats: int) -> dict[str, Any]:
@@ -83,13 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--engine {args.engine}: no engine.json there (an engine folder of a pipeline run)")
     if args.repeats < 1 or min(args.tokens) < 1 or min(args.chunks) < 0:
         parser.error("--repeats and --tokens must be at least 1, --chunks at least 0")
-    load_before = os.getloadavg()
-    record = measure(args.engine, args.tokens, args.chunks, args.repeats)
-    record["load_before"], record["load_after"] = load_before, os.getloadavg()
-    print_table(record)
-    if args.json:
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
-    return 0
+    return measure_and_report(
+        lambda: measure(args.engine, args.tokens, args.chunks, args.repeats), print_table, args.json
+    )
 
 
 if __name__ == "__main__":
