@@ -122,6 +122,7 @@ def decode_profile(engine: Any, prompt: list[int], new_tokens: int) -> dict[str,
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
+    from tqdm.auto import tqdm
 
     from pipeline.runtime import Engine, GenerationConfig
 
@@ -140,7 +141,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     config = GenerationConfig(max_new_tokens=args.new_tokens, stop_at_eos=False)
     rows = []
-    for context in args.contexts:
+    for context in tqdm(args.contexts, desc="contexts", unit="context", file=sys.stderr):
         prompt = rng.integers(4, io.vocab_size, size=context).tolist()
         tpots = []
         for _ in range(args.repeats):

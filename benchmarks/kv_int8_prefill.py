@@ -86,6 +86,7 @@ def run_once(name: str, engine: Any, prompt: list[list[int]], config: Any) -> An
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
+    from tqdm.auto import tqdm
 
     from pipeline.runtime import GenerationConfig
 
@@ -94,6 +95,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     vocab = next(iter(engines.values())).io.vocab_size
     rows = []
+    bar = tqdm(
+        total=len(args.tokens) * (args.repeats + 1) * len(engines),
+        desc="measure",
+        unit="run",
+        file=sys.stderr,
+    )
     for length in args.tokens:
         prompt = [rng.integers(4, vocab, size=length).tolist()]
         ttft: dict[str, list[float]] = {name: [] for name in engines}
@@ -104,6 +111,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             # rotated each round, so no engine always runs right after the same other one
             for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
                 result = run_once(name, engines[name], prompt, config)
+                bar.update()
                 tokens[name] = result.tokens[0]
                 if repeat:
                     ttft[name].append(result.prefill_seconds)
@@ -123,6 +131,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             peer_row = rows[-len(engines)]
             row["ttft_vs_fp32"] = row["ttft_s"] / peer_row["ttft_s"]
             row["tpot_vs_fp32"] = row["tpot_s"] / peer_row["tpot_s"]
+    bar.close()
     return {
         "int8": str(args.int8),
         "fp32": str(args.fp32),
