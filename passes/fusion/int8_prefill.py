@@ -112,7 +112,7 @@ def prefill_model(model: Any) -> int:
         head_dim = scales["key"].shape[-1]
         before: list[Any] = []
 
-        # 1. Q, K, V, rotated as the kernel would
+        # steps 1-2 (module docstring): Q, K, V split, Q and K rotated as the kernel would
         if inputs[_KEY]:
             query, key, value = inputs[_QUERY], inputs[_KEY], inputs[_VALUE]
         else:
@@ -142,7 +142,7 @@ def prefill_model(model: Any) -> int:
                 before.append(made)
                 query, key = (rotated, key) if part == "query" else (query, rotated)
 
-        # 2. the new K, V fake-quantized; 3. the past dequantized
+        # steps 3-4: the new K, V fake-quantized; the past dequantized
         quantized_inputs = {}
         for kind, new, past in (("key", key, inputs[_PAST_KEY]), ("value", value, inputs[_PAST_VALUE])):
             flat = constant(scales[kind].reshape(-1), f"kv_scale.{layer}.{kind}.flat")
@@ -158,7 +158,7 @@ def prefill_model(model: Any) -> int:
             before.extend([cast, scaled])
             quantized_inputs[kind] = (current, dequantized)
 
-        # 4. fp32 attention; its present quantized back into the int8 outputs
+        # steps 5-6: fp32 attention; its present quantized back into the int8 outputs
         new_inputs = inputs[:_K_SCALE]
         new_inputs[_QUERY], new_inputs[_KEY], new_inputs[_VALUE] = (
             query,
