@@ -124,6 +124,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     from tqdm.auto import tqdm
 
+    from pipeline.core.engine import KV_NUMPY_DTYPES
     from pipeline.runtime import Engine, GenerationConfig
 
     engine = Engine(args.engine)
@@ -131,13 +132,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     weights = step_weight_bytes(engine.folder / engine.spec["model_file"])
     bandwidth = {threads: read_bandwidth(threads, args.bandwidth_mib * 2**20) for threads in (1, 2)}
     best = max(bandwidth.values())
-    kv_per_token = (
-        2
-        * io.num_layers
-        * io.num_kv_heads
-        * io.head_dim
-        * np.dtype({"float32": np.float32, "float16": np.float16}.get(io.kv_dtype, np.int8)).itemsize
-    )
+    itemsize = np.dtype(KV_NUMPY_DTYPES[io.kv_dtype]).itemsize  # float8 codes: 1 byte
+    kv_per_token = 2 * io.num_layers * io.num_kv_heads * io.head_dim * itemsize
     rng = np.random.default_rng(0)
     config = GenerationConfig(max_new_tokens=args.new_tokens, stop_at_eos=False)
     rows = []

@@ -118,19 +118,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     tpot[name].append(statistics.median(result.step_seconds))
         peer = "fp32 cache"
         for name in engines:
-            row = {
-                "tokens": length,
-                "engine": name,
-                "ttft_s": statistics.median(ttft[name]),
-                "tpot_s": statistics.median(tpot[name]),
-                "same_tokens_as_fp32": tokens[name] == tokens[peer],
-                "rss_added_mib": added[name],
-            }
-            rows.append(row)
-        for row in rows[-len(engines) :]:
-            peer_row = rows[-len(engines)]
-            row["ttft_vs_fp32"] = row["ttft_s"] / peer_row["ttft_s"]
-            row["tpot_vs_fp32"] = row["tpot_s"] / peer_row["tpot_s"]
+            row_ttft, row_tpot = statistics.median(ttft[name]), statistics.median(tpot[name])
+            rows.append(
+                {
+                    "tokens": length,
+                    "engine": name,
+                    "ttft_s": row_ttft,
+                    "tpot_s": row_tpot,
+                    "ttft_vs_fp32": row_ttft / statistics.median(ttft[peer]),
+                    "tpot_vs_fp32": row_tpot / statistics.median(tpot[peer]),
+                    "same_tokens_as_fp32": tokens[name] == tokens[peer],
+                    "rss_added_mib": added[name],
+                }
+            )
     bar.close()
     return {
         "int8": str(args.int8),

@@ -317,12 +317,12 @@ def check_prefill_graph(engine: Engine, logits: np.ndarray) -> dict[str, Any]:
     """The prefill graph on the same 3-token prompt: the engine's IO names (and
     ``logits_positions``), finite logits, the engine's top-1 token at every position, and the
     last position alone equal to it among all; returns the largest logit difference."""
-    session = engine.model.prefill_session
-    names = {i.name for i in session.get_inputs()} | {o.name for o in session.get_outputs()}
-    engine_names = {i.name for i in engine.model.session.get_inputs()} | {
-        o.name for o in engine.model.session.get_outputs()
-    }
-    expected = engine_names | {LOGITS_POSITIONS}
+
+    def io_names(session: Any) -> set[str]:
+        return {value.name for value in (*session.get_inputs(), *session.get_outputs())}
+
+    names = io_names(engine.model.prefill_session)
+    expected = io_names(engine.model.session) | {LOGITS_POSITIONS}
     if names != expected:
         raise PassError(
             f"build: the prefill graph's IO differs from the engine's: {sorted(names ^ expected)}"

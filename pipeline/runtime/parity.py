@@ -15,7 +15,6 @@ import numpy as np
 from pipeline.core.artifacts import read_metadata
 from pipeline.core.engine import graph_io
 from pipeline.core.graph_io import model_file
-from pipeline.runtime.generate import prompt_step
 from pipeline.runtime.ort import OrtModel
 
 # A fixed text for graphs that carry their tokenizer (the export pass's default parity prompt).
@@ -65,12 +64,7 @@ def _decode(
     positions = np.arange(ids.shape[1], dtype=np.int64)[None]
     logits, fed = [], []
     for step in range(steps + 1):
-        # the prompt through prompt_step (an int8-KV engine's prefill graph), tokens after it not
-        out, cache = (
-            prompt_step(model, ids, mask, positions, cache)
-            if step == 0
-            else model.step(ids, mask, positions, cache)
-        )
+        out, cache = model.step(ids, mask, positions, cache)
         logits.append(np.array(out[0], dtype=np.float32))
         if step == steps:
             break
