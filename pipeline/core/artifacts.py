@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.files import read_regular_text, sha256_regular, walk_regular
+
 ARTIFACT_FILE = "artifact.json"
-_CHUNK = 1 << 20
 
 
 class Kind(enum.StrEnum):
@@ -30,28 +31,24 @@ class Kind(enum.StrEnum):
         return {"torch": "a torch model", "graph": "an ONNX graph", "engine": "an engine"}[self.value]
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+def sha256_file(path: Path, follow_symlinks: bool = True) -> str:
+    """sha256 of a regular file (a FIFO, device or socket is refused: ``pipeline/core/files.py``)."""
+    return sha256_regular(path, follow_symlinks=follow_symlinks)
 
 
-def file_digests(folder: Path) -> dict[str, str]:
-    """sha256 of every regular file under ``folder``, keyed by POSIX relative path."""
-    result: dict[str, str] = {}
-    for root, dirs, files in os.walk(folder):
-        dirs.sort()
-        for name in sorted(files):
-            path = Path(root) / name
-            result[path.relative_to(folder).as_posix()] = sha256_file(path)
-    return result
+def file_digests(folder: Path, follow_symlinks: bool = True) -> dict[str, str]:
+    """sha256 of every file under ``folder``, keyed by POSIX relative path; anything that is not a
+    regular file or a folder (with ``follow_symlinks=False``: any symlink) is refused in one line
+    (:class:`~pipeline.core.files.UnsafeFileError`) before it is opened."""
+    return {
+        rel: sha256_file(path, follow_symlinks)
+        for rel, path in walk_regular(folder, follow_symlinks=follow_symlinks)
+    }
 
 
-def folder_digest(folder: Path) -> str:
+def folder_digest(folder: Path, follow_symlinks: bool = True) -> str:
     """Content digest of a folder: names and contents of all files, independent of mtimes."""
-    return digest_of(file_digests(folder))
+    return digest_of(file_digests(folder, follow_symlinks))
 
 
 def digest_of(file_hashes: dict[str, str]) -> str:
@@ -104,7 +101,7 @@ def read_metadata(folder: Path) -> dict[str, Any]:
     path = folder / ARTIFACT_FILE
     if not path.is_file():
         return {}
-    return json.loads(path.read_text()).get("metadata", {})
+    return json.loads(read_regular_text(path, what="an artifact record")).get("metadata", {})
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,186 @@
+"""Reading files nobody vouches for: model folders, cache entries, engine folders, registry blobs
+and records all lie on storage other jobs and other people write to.
+
+Every read here opens a *regular* file only, and never blocks on what it opens:
+
+- ``O_NONBLOCK`` on open, so a FIFO (which would wait for a writer forever) opens at once, and
+  ``fstat`` on the open descriptor then refuses it, like a device (``/dev/zero`` would feed a hash
+  forever), a socket or a directory;
+- ``O_NOFOLLOW`` where a symlink is not allowed (our own cache entries and staging files); where it
+  is (a model folder in the Hugging Face hub cache is a folder of symlinks into its blobs), the
+  link is resolved and, with ``within``, confined to a folder before anything is opened;
+- the size comes from ``fstat`` before anything is read, and no read goes past it (a file that
+  grows while it is hashed cannot make the read unbounded; ``max_bytes`` bounds it further).
+
+A refusal is :class:`UnsafeFileError`, a one-line :class:`PipelineError` naming the path, what it
+is and the fix; callers that own the folder (the cache) catch it and evict instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from pipeline.core.errors import PipelineError
+
+_CHUNK = 1 << 20
+
+
+class UnsafeFileError(PipelineError):
+    """A path that should be a regular file (inside a given folder) is not."""
+
+
+def describe_mode(mode: int) -> str:
+    """What a file of this ``st_mode`` is, in words ("a FIFO", "a character device", ...)."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    return "not a regular file"
+
+
+def confined(path: Path, within: Path) -> Path:
+    """``path`` with every symlink resolved, refused unless it lies inside ``within`` (resolved)."""
+    resolved = Path(os.path.realpath(path))
+    root = Path(os.path.realpath(within))
+    if resolved != root and root not in resolved.parents:
+        shown = f" (a symlink to {resolved})" if Path(path).is_symlink() else ""
+        raise UnsafeFileError(
+            f"{path}{shown} lies outside {within}: every file it names must be inside that folder"
+        )
+    return resolved
+
+
+def _refuse(path: Path, mode: int, what: str) -> UnsafeFileError:
+    return UnsafeFileError(
+        f"{path} is {describe_mode(mode)}, not a regular file ({what}): replace it with the file itself"
+    )
+
+
+def open_regular(
+    path: Path, *, follow_symlinks: bool = True, within: Path | None = None, what: str = "a file read"
+) -> BinaryIO:
+    """Open ``path`` for binary reading if (after resolving a symlink, where allowed, and confining
+    it to ``within``) it is a regular file; never blocks on a FIFO or device. The caller closes it.
+    ``what`` says in the error what the file was read for."""
+    path = Path(path)
+    target = confined(path, within) if within is not None else path
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= os.O_NOFOLLOW
+    try:
+        fd = os.open(target, flags)
+    except OSError as exc:
+        if not follow_symlinks and os.path.islink(target):
+            raise UnsafeFileError(
+                f"{path} is a symlink, where only regular files are allowed ({what}): "
+                "replace it with the file itself"
+            ) from None
+        raise exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _refuse(path, mode, what)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def regular_size(
+    path: Path, *, follow_symlinks: bool = True, within: Path | None = None, what: str = "a file read"
+) -> int:
+    """The size of ``path`` in bytes, refused unless it is a regular file (as :func:`open_regular`);
+    nothing is opened, so nothing can block."""
+    path = Path(path)
+    target = confined(path, within) if within is not None else path
+    info = os.stat(target) if follow_symlinks else os.lstat(target)
+    if stat.S_ISLNK(info.st_mode):
+        raise UnsafeFileError(
+            f"{path} is a symlink, where only regular files are allowed ({what}): replace it with the file itself"
+        )
+    if not stat.S_ISREG(info.st_mode):
+        raise _refuse(path, info.st_mode, what)
+    return info.st_size
+
+
+def read_regular(
+    path: Path,
+    *,
+    max_bytes: int | None = None,
+    follow_symlinks: bool = True,
+    within: Path | None = None,
+    what: str = "a file read",
+) -> bytes:
+    """The bytes of a regular file, refused (one line) when larger than ``max_bytes``."""
+    with open_regular(path, follow_symlinks=follow_symlinks, within=within, what=what) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if max_bytes is not None and size > max_bytes:
+            raise UnsafeFileError(
+                f"{path} is {size} bytes, more than the {max_bytes} a {what} may be: it is not such a file"
+            )
+        return handle.read(size)
+
+
+def read_regular_text(
+    path: Path,
+    *,
+    max_bytes: int | None = 64 << 20,
+    follow_symlinks: bool = True,
+    within: Path | None = None,
+    what: str = "a file read",
+) -> str:
+    """:func:`read_regular` decoded as UTF-8 (a JSON record, a config), bounded by default to 64 MiB."""
+    data = read_regular(path, max_bytes=max_bytes, follow_symlinks=follow_symlinks, within=within, what=what)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnsafeFileError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}): it is not {what}")
+
+
+def sha256_regular(
+    path: Path, *, follow_symlinks: bool = True, within: Path | None = None, what: str = "a file hashed"
+) -> str:
+    """sha256 of a regular file's content, reading exactly the size ``fstat`` gave at open."""
+    digest = hashlib.sha256()
+    with open_regular(path, follow_symlinks=follow_symlinks, within=within, what=what) as handle:
+        left = os.fstat(handle.fileno()).st_size
+        while left > 0 and (chunk := handle.read(min(_CHUNK, left))):
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest.hexdigest()
+
+
+def walk_regular(
+    folder: Path, *, follow_symlinks: bool = True, what: str = "a folder hashed"
+) -> Iterator[tuple[str, Path]]:
+    """(POSIX relative path, path) of every file under ``folder``, sorted, refusing (one line) any
+    entry that is not a regular file or a folder: a FIFO, a device, a socket, a symlink to one of
+    those, a symlinked folder, or (``follow_symlinks=False``) any symlink at all. Entries are
+    checked with ``lstat``/``stat`` only, so the walk itself opens nothing and cannot block."""
+    folder = Path(folder)
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        dirs.sort()
+        for name in list(dirs):
+            path = Path(root) / name
+            if path.is_symlink():
+                raise UnsafeFileError(
+                    f"{path} is a symlinked folder ({what}): only regular files and real folders are allowed"
+                )
+        for name in sorted(files):
+            path = Path(root) / name
+            regular_size(path, follow_symlinks=follow_symlinks, what=what)
+            yield path.relative_to(folder).as_posix(), path
