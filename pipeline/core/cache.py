@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,9 @@ def computing_once(root: Path, name: str, what: str) -> contextlib.AbstractConte
     return key_lock(Path(root) / STAGING_DIR / f"{name}.compute{LOCK_SUFFIX}", what)
 
 
-RECORD_DIRS = ("quality", "bench", "eval")  # JSON records kept beside the entries
+RECORD_DIRS = ("quality", "bench", "eval")
+# What is wrong with a cached record's fields (None: nothing): ``load_record``'s ``check``.
+RecordCheck = Callable[[dict[str, Any]], str | None]  # JSON records kept beside the entries
 
 
 def installed_versions(names: tuple[str, ...]) -> dict[str, str]:
@@ -287,10 +289,11 @@ class Cache:
         after a SIGKILL (the next cache open removes it)."""
         write_record(self.root, path, record)
 
-    def read_record(self, path: Path) -> dict[str, Any] | None:
+    def read_record(self, path: Path, check: RecordCheck | None = None) -> dict[str, Any] | None:
         """A JSON record written by :meth:`write_record`, or None when absent; an unreadable or
-        malformed one is removed (with a warning) so that it is recomputed."""
-        return load_record(path)
+        malformed one (or one ``check`` finds a problem in) is removed (with a warning) so that it
+        is recomputed."""
+        return load_record(path, check)
 
 
 def write_record(root: Path, path: Path, record: dict[str, Any]) -> None:
@@ -301,11 +304,15 @@ def write_record(root: Path, path: Path, record: dict[str, Any]) -> None:
     )
 
 
-def load_record(path: Path) -> dict[str, Any] | None:
-    """:meth:`Cache.read_record` for code that holds a record's path rather than a :class:`Cache`."""
+def load_record(path: Path, check: RecordCheck | None = None) -> dict[str, Any] | None:
+    """:meth:`Cache.read_record` for code that holds a record's path rather than a :class:`Cache`.
+    ``check(record)`` says what is wrong with a well-formed JSON object (a field of the wrong type
+    or out of range), or None: a record it faults is discarded like a malformed one."""
     if not path.is_file():
         return None
     record, problem = read_record(path)
+    if record is not None and check is not None and (problem := check(record)) is not None:
+        record = None
     if record is None:
         log.warning("cached record %s: %s; discarding it and recomputing", path, problem)
         with contextlib.suppress(OSError):
