@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -186,11 +185,20 @@ def peak_rss(gguf: Path, tokens: int, threads: int, repo: Path) -> dict[str, int
 
 def child_rss(script: str, args: list[str], cwd: Path) -> dict[str, int]:
     """Run ``script`` in a fresh Python with ``args``; it prints RSS after loading and the peak
-    while decoding (bytes), which come back as a record."""
+    while decoding (bytes), which come back as a record. The child runs in isolated mode with a
+    clean environment (``pipeline.bench.isolated_script``): no inherited PYTHONPATH or
+    PYTHONSTARTUP; the project root is put on its path explicitly."""
     import subprocess
 
+    from pipeline.bench import child_environment, isolated_script
+
     done = subprocess.run(
-        [sys.executable, "-c", script, *args], capture_output=True, text=True, check=True, cwd=cwd
+        isolated_script(script, *args),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=cwd,
+        env=child_environment(),
     )
     loaded, peak = (int(x) for x in done.stdout.split()[-2:])
     return {"after_load": loaded, "peak_decoding": peak}

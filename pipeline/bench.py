@@ -39,8 +39,9 @@ from tqdm.auto import tqdm
 
 from pipeline.config import BenchConfig, ServingBenchConfig
 from pipeline.core.artifacts import write_json
-from pipeline.core.cache import library_versions, load_record, write_record
+from pipeline.core.cache import library_versions, load_record, read_record, write_record
 from pipeline.core.config import build_config
+from pipeline.core.engine import read_engine_spec
 from pipeline.core.errors import ConfigError, EngineError, PipelineError, describe_os_error, one_line
 from pipeline.core.signals import exit_code, interrupt_on_sigterm
 
@@ -249,13 +250,52 @@ def speculative_benchmark(engine: Any, config: BenchConfig) -> dict[str, Any]:
     }
 
 
+# Environment variables a child process of ours never inherits: the interpreter's own (a recipe's
+# ``hydra.job.env_set`` could point PYTHONPATH or PYTHONSTARTUP at code) and the dynamic loader's
+# preloads. ``-I`` (isolated mode) ignores the PYTHON* ones anyway; dropping them also keeps them
+# from the child's own children.
+_UNSAFE_ENV = ("LD_PRELOAD", "LD_AUDIT")
+PROJECT_ROOT = Path(__file__).resolve().parent.parent  # holds pipeline/, passes/, evals/
+# Run a module of ours in isolated mode: no PYTHONPATH, no user site, no current folder on
+# sys.path; the project root comes as the first argument instead.
+_ISOLATED_MAIN = (
+    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); name = sys.argv.pop(1); "
+    "sys.argv[0] = name; runpy.run_module(name, run_name='__main__', alter_sys=True)"
+)
+
+
+def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a child of ours, without PYTHON* variables or loader
+    preloads (see :func:`isolated_python`)."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("PYTHON") and key not in _UNSAFE_ENV
+    }
+    return {**env, **(extra or {})}
+
+
+def isolated_python(module: str, *args: str) -> list[str]:
+    """The command line that runs ``python -m module args`` in Python's isolated mode (``-I``:
+    neither PYTHONPATH, PYTHONSTARTUP nor a ``sitecustomize.py`` outside the installation is
+    used), with the project root passed explicitly; run it with :func:`child_environment`."""
+    return [sys.executable, "-I", "-c", _ISOLATED_MAIN, str(PROJECT_ROOT), module, *args]
+
+
+def isolated_script(script: str, *args: str) -> list[str]:
+    """:func:`isolated_python` for a script given as text (``python -I -c``), which sees
+    ``args`` as ``sys.argv[1:]``."""
+    boot = (
+        "import sys; sys.path.insert(0, sys.argv.pop(1)); exec(compile(sys.argv.pop(1), '<child>', 'exec'))"
+    )
+    return [sys.executable, "-I", "-c", boot, str(PROJECT_ROOT), script, *args]
+
+
 def benchmark_in_subprocess(
     engine_dir: Path, config: BenchConfig, out_json: Path, reference_dir: Path | None = None
 ) -> dict[str, Any]:
     """Run :func:`run_benchmark` in a fresh interpreter; raise EngineError if it fails."""
-    command = [
-        sys.executable,
-        "-m",
+    command = isolated_python(
         "pipeline.bench",
         str(engine_dir),
         "--json",
@@ -265,13 +305,15 @@ def benchmark_in_subprocess(
         *(["--reference", str(reference_dir)] if reference_dir is not None else []),
         "--parent-pid",
         str(os.getpid()),
-    ]
+    )
     start = time.perf_counter()
     try:
         # Ctrl-C or SIGTERM here (KeyboardInterrupt, pipeline/core/signals.py): subprocess.run kills the
         # child and waits for it before the interrupt goes on; if this process is killed outright,
         # the child ends itself (--parent-pid: the kernel's parent-death signal).
-        result = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=config.timeout_s)
+        result = subprocess.run(
+            command, stderr=subprocess.PIPE, text=True, timeout=config.timeout_s, env=child_environment()
+        )
     except subprocess.TimeoutExpired:
         raise EngineError(
             f"benchmark of {engine_dir} took over {config.timeout_s} s: raise bench.timeout_s"
@@ -282,9 +324,60 @@ def benchmark_in_subprocess(
         lines = [line for line in result.stderr.strip().splitlines() if "%|" not in line]  # not progress bars
         errors = [line for line in lines if line.startswith("error:")]
         raise EngineError(f"benchmark of {engine_dir} failed: {(errors or lines or ['no output'])[-1]}")
-    record = json.loads(out_json.read_text())
+    record, problem = read_record(out_json)
+    problem = problem or check_bench_record(record)
+    if record is None or problem is not None:
+        raise EngineError(f"benchmark of {engine_dir} wrote a broken record {out_json}: {problem}")
     record["wall_seconds"] = round(time.perf_counter() - start, 1)
     return record
+
+
+# Fields of a benchmark record that hold a count or a duration: a non-negative, finite number.
+_NON_NEGATIVE = ("_ms", "_s", "_seconds", "_mib", "_rate", "_ratio", "_length", "_tokens")
+_NON_NEGATIVE_NAMES = ("ratio", "runs", "tokens", "prompts", "k")
+
+
+def check_bench_record(record: dict[str, Any]) -> str | None:
+    """What is wrong with a benchmark record read back (a cached one, the child's), or None:
+    the schema, TTFT and TPOT summaries of finite non-negative times, and no NaN, infinity, or a
+    string or negative value where a count or a duration is, anywhere in it."""
+    if record.get("schema_version") != BENCH_SCHEMA_VERSION:
+        return f"schema_version {record.get('schema_version')!r} is not {BENCH_SCHEMA_VERSION}"
+    for key in ("ttft", "tpot"):
+        if not isinstance(record.get(key), dict):
+            return f"{key} is not an object"
+    for key, summary in [*record["ttft"].items(), ("tpot", record["tpot"])]:
+        if not isinstance(summary, dict):
+            return f"ttft.{key} is not an object"
+        for field in ("median_ms", "min_ms", "max_ms", "runs", "samples_ms"):
+            if summary.get(field) is None:
+                return f"{key}: {field} is missing"
+    return _number_problem(record, "")
+
+
+def _number_problem(value: Any, where: str) -> str | None:
+    name = where.rsplit(".", 1)[-1].split("[", 1)[0]
+    timed = name.endswith(_NON_NEGATIVE) or name in _NON_NEGATIVE_NAMES
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key == "config":  # the settings measured with, checked when the key was made
+                continue
+            if (problem := _number_problem(item, f"{where}.{key}" if where else str(key))) is not None:
+                return problem
+        return None
+    if isinstance(value, list):
+        for number, item in enumerate(value):
+            if (problem := _number_problem(item, f"{where}[{number}]")) is not None:
+                return problem
+        return None
+    if isinstance(value, float) and not np.isfinite(value):
+        return f"{where} is {value}"
+    if timed and value is not None:  # None: not measured (a TPOT of 1-token outputs)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"{where} {value!r} is not a number"
+        if value < 0:
+            return f"{where} {value!r} is negative"
+    return None
 
 
 def bench_key(engine_digest: str, config: BenchConfig, reference_digest: str | None = None) -> str:
@@ -313,7 +406,7 @@ def measure(
     was measured); a new measurement is stored there."""
     key = bench_key(engine_digest, config, reference[1] if reference else None)
     cached = cache_dir / "bench" / f"{key}.json" if cache_dir else None
-    stored = load_record(cached) if cached is not None and config.reuse else None
+    stored = load_record(cached, check=check_bench_record) if cached is not None and config.reuse else None
     if stored is not None:  # (a broken record is removed and measured again)
         return {**stored, "cache_hit": True}
     log.info("benchmark: running (%s)", ", ".join(f"TTFT@{n}" for n in config.prompt_lengths) + ", TPOT")
@@ -391,10 +484,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         for name, folder in (("engine", args.engine), ("--reference", args.reference)):
-            if folder is not None and not (folder / "engine.json").is_file():
+            if folder is not None and not os.path.lexists(folder / "engine.json"):
                 raise EngineError(
                     f"{name} {folder}: not an engine folder (no engine.json); pass a run's engine/"
                 )
+            if folder is not None:
+                read_engine_spec(folder)  # checked before the benchmark loads anything
         record = run_benchmark(args.engine, config, args.reference)
         text = json.dumps(record, indent=2)
         if args.json:

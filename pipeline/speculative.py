@@ -6,11 +6,13 @@ targets of different quantization share the draft's torch stage). The combined e
 cache entry, keyed by both engines' digests and ``k``: the target's files, the draft in
 ``draft/``, and ``engine.json`` ``speculative: {draft, k}``, which the runtime follows
 (``pipeline/runtime/ort.py`` ``Engine``). Both engines must share a tokenizer (checked when the
-combined engine is loaded).
+combined engine is made and when it is loaded); both ``engine.json`` are read through
+``pipeline.core.engine.read_engine_spec``, never trusted as they lie.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -23,12 +25,12 @@ from pipeline.config import SpeculativeConfig, section
 from pipeline.core.artifacts import Artifact, Kind, link_tree
 from pipeline.core.base import Pass
 from pipeline.core.cache import Cache, library_versions
-from pipeline.core.engine import ENGINE_FILE
+from pipeline.core.engine import ENGINE_FILE, read_engine_spec
 from pipeline.core.errors import ConfigError
 from pipeline.core.manager import PassManager, PassRecord
 from pipeline.core.plugins import build_passes
 from pipeline.manifest import engine_files
-from pipeline.runtime.ort import check_draft_folders
+from pipeline.runtime.ort import check_draft_specs
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ def build_draft(
 ) -> tuple[Artifact, list[PassRecord]]:
     """The draft engine from its ``passes`` (cached), once ``target`` is known to be able to roll
     back its cache."""
-    if json.loads((target.path / ENGINE_FILE).read_text())["io"].get("kv_capacity"):
+    if read_engine_spec(target.path, graphs=False).io.kv_capacity:
         raise ConfigError(
             "speculative=draft with a sliding-window KV buffer (kv_cache.window with layout=shared): "
             "the buffer evicts in place and cannot roll back rejected draft tokens; use layout=concat"
@@ -87,8 +89,9 @@ def attach_draft(cache: Cache, target: Artifact, draft: Artifact, k: int) -> tup
     found = cache.lookup(key, Kind.ENGINE)
     if found is not None:
         return found.artifact, True
-    spec = json.loads((target.path / ENGINE_FILE).read_text())
-    check_draft_folders(target.path, spec, draft.path, json.loads((draft.path / ENGINE_FILE).read_text()))
+    target_spec, draft_spec = read_engine_spec(target.path), read_engine_spec(draft.path)
+    check_draft_specs(target_spec, draft_spec)
+    spec = copy.deepcopy(target_spec.raw)
     start = time.perf_counter()
     with cache.stage(key, "the engine with its draft") as staging:
         out = staging / "output"
@@ -115,12 +118,12 @@ def attach_draft(cache: Cache, target: Artifact, draft: Artifact, k: int) -> tup
 
 def draft_summary(draft: Artifact, records: list[PassRecord], k: int, cache_hit: bool) -> dict[str, Any]:
     """The manifest's ``speculative`` section: k, the draft's passes and its size."""
-    spec = json.loads((draft.path / ENGINE_FILE).read_text())
+    spec = read_engine_spec(draft.path, graphs=False)
     return {
         "k": k,
         "draft_digest": draft.digest,
         "draft_bytes": sum(f["bytes"] for f in engine_files(draft.path)),
-        "draft_layers": spec["io"]["num_layers"],
+        "draft_layers": spec.io.num_layers,
         "draft_passes": [r.to_dict() for r in records],
         "attach_cache_hit": cache_hit,
     }

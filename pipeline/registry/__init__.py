@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipeline.core.artifacts import sha256_file
 from pipeline.registry.local import LocalRegistry
-from pipeline.registry.records import Registry
+from pipeline.registry.records import Registry, check_engine_spec
 from pipeline.registry.refs import CHANNELS, DEFAULT_TARGET, Ref, RegistryError
 
 DEFAULT_ROOT = Path("artifacts/registry")
@@ -70,5 +70,6 @@ def pull(
             path = folder / "engine" / entry["path"]
             if not path.is_file() or sha256_file(path) != entry["sha256"]:
                 raise RegistryError(f"{path} differs from the registry's copy: delete {folder}, pull again")
+        check_engine_spec(folder / "engine", f"{folder}: cannot use it")
         return folder
     return store.pull(ref.at(record["version"]), folder, tensorrt_version=tensorrt_version, gpu_arch=gpu_arch)

@@ -28,8 +28,9 @@ from typing import Any, NoReturn
 from rich.console import Console
 from rich.table import Table
 
+from pipeline.core.errors import PipelineError, one_line
 from pipeline.core.signals import exit_code, interrupt_on_sigterm
-from pipeline.registry import CHANNELS, DEFAULT_ROOT, Ref, RegistryError, open_registry
+from pipeline.registry import CHANNELS, DEFAULT_ROOT, Ref, open_registry
 from pipeline.registry.records import Registry, describe
 
 
@@ -223,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         _warnings_as_lines()
         return int(args.run(open_registry(args.root, args.uri), args))
-    except RegistryError as exc:  # RegistryIOError (the OS refused): exit code 1
-        print(f"error: {exc}", file=sys.stderr)
+    except PipelineError as exc:  # RegistryIOError (the OS refused): exit code 1
+        print(one_line(f"error: {exc}"), file=sys.stderr)
         return exc.exit_code
     except OSError as exc:  # not foreseen above: still one line naming the path
         print(f"error: {describe(exc)} (while running `{' '.join(sys.argv[1:3])}`)", file=sys.stderr)

@@ -28,7 +28,12 @@ Nothing read is trusted: a version record, channel file or index that is not wha
 writes (bad JSON, not an object, missing keys, wrong types, paths leaving the engine folder,
 malformed sha256) is reported by its path and skipped by ``list`` (a warning), ``verify`` (a
 problem: exit 1) and ``gc`` (which then removes no blob: such a record may use any), and refused by
-``show``/``pull`` of that version. A folder is a registry when it holds ``registry.json``
+``show``/``pull`` of that version. A record whose files collide (``a`` and ``a/sub``), repeat,
+or are no plain relative file name is malformed too. Records, channels, the index and blobs are
+read as regular files only (``pipeline/core/files.py``: a FIFO or a device there is refused by
+name, never read), and a pulled engine must load: its ``engine.json`` and graph are checked
+(``pipeline.core.engine.read_engine_spec``) before the pulled folder is renamed into place, as
+they are before a publish stores anything. A folder is a registry when it holds ``registry.json``
 (written when the first publish creates it) or, for registries older than the marker,
 ``versions/``, ``blobs/``, ``channels/`` or ``index.json``. A folder holding anything else is
 refused by every command; a missing or empty one reads as an empty registry for ``list``,
@@ -50,12 +55,15 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from pipeline.core.artifacts import sha256_file, write_json
+from pipeline.core.errors import PipelineError
+from pipeline.core.files import UnsafeFileError, read_regular_text
 from pipeline.core.staging import owned_folder, remove_abandoned, unique_name
 from pipeline.registry.records import (
     ENGINE_DIR,
     RECORD_SCHEMA,
     SHA256,
     check_channel_file,
+    check_engine_spec,
     check_record,
     check_tensorrt,
     copy_hashed,
@@ -211,7 +219,9 @@ class LocalRegistry:
                 staged = []
                 for number, entry in enumerate(publication.files):
                     tmp = staging / f"{number}.blob"
-                    stage_file(publication.engine_dir / entry["path"], tmp, entry)
+                    stage_file(
+                        publication.engine_dir / entry["path"], tmp, entry, within=publication.engine_dir
+                    )
                     staged.append((entry["sha256"], tmp))
                     stage(f"blob {entry['path']}")
                 for sha256, tmp in staged:  # every file matched its record: store them
@@ -279,7 +289,7 @@ class LocalRegistry:
     def _read_record(self, path: Path) -> dict[str, Any]:
         """A version record, checked: it must be what a publish wrote, at the place it names."""
         try:
-            record = check_record(load_json(path, "a version record"), str(path))
+            record = check_record(load_json(path, "a version record", follow_symlinks=False), str(path))
             model, recipe, target = path.parent.relative_to(self.root / "versions").parts
             found = (record["model"], record["recipe"], record["target"], str(record["version"]))
             if found != (model, recipe, target, path.stem):
@@ -293,10 +303,10 @@ class LocalRegistry:
         return record
 
     def _read_channel(self, path: Path) -> dict[str, Any] | None:
-        if not path.is_file():
+        if not os.path.lexists(path):
             return None
         try:
-            return check_channel_file(load_json(path, "a channel"), str(path))
+            return check_channel_file(load_json(path, "a channel", follow_symlinks=False), str(path))
         except RegistryIOError:
             raise
         except RegistryError as exc:
@@ -322,7 +332,7 @@ class LocalRegistry:
                 raise RegistryError(f"channel {version} of {ref.at(None)} points at no version yet")
             version = channel["version"]
         path = folder / f"{version}.json"
-        if not path.is_file():
+        if not os.path.lexists(path):  # anything else there (a FIFO, a link) is refused by name
             raise RegistryError(f"{ref.at(version)} does not exist (latest: {self._next_version(ref) - 1})")
         return self._read_record(path)
 
@@ -392,8 +402,10 @@ class LocalRegistry:
 
     def _stored_index(self) -> Any:
         try:
-            return json.loads((self.root / "index.json").read_text())
-        except (OSError, ValueError):
+            return json.loads(
+                read_regular_text(self.root / "index.json", follow_symlinks=False, what="the index")
+            )
+        except (OSError, ValueError, RecursionError, PipelineError):
             return None  # missing or unreadable: stale, rebuilt by the next writer or verify
 
     def index(self) -> dict[str, Any]:
@@ -433,7 +445,9 @@ class LocalRegistry:
                 target = staging / ENGINE_DIR / rel
                 try:
                     target.parent.mkdir(parents=True, exist_ok=True)
-                    actual = copy_hashed(blob, target)
+                    actual = copy_hashed(blob, target, follow_symlinks=False)  # blobs are never links
+                except UnsafeFileError as exc:
+                    raise RegistryError(f"{name}: {exc}; run `python -m pipeline.registry verify`") from None
                 except OSError as exc:
                     if exc.filename is not None and Path(exc.filename) == blob:
                         raise RegistryIOError(f"cannot read blob {blob}: {describe(exc)}") from None
@@ -443,6 +457,7 @@ class LocalRegistry:
                         f"{name}: blob {entry['sha256']} ({rel}) is corrupt (its content hashes to "
                         f"{actual}); nothing was pulled; run `python -m pipeline.registry verify`"
                     )
+            check_engine_spec(staging / ENGINE_DIR, f"{name}: nothing was pulled")
         return Path(to)
 
     # -- channels -----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from pipeline.core.artifacts import sha256_file, write_json
 from pipeline.registry.records import (
     ENGINE_DIR,
     MANIFEST_FILE,
+    check_engine_spec,
     check_history,
     check_record,
     check_tensorrt,
@@ -104,7 +105,9 @@ class MlflowRegistry:
             for entry in publication.files:
                 target = staged / entry["path"]
                 target.parent.mkdir(parents=True, exist_ok=True)
-                stage_file(publication.engine_dir / entry["path"], target, entry)
+                stage_file(
+                    publication.engine_dir / entry["path"], target, entry, within=publication.engine_dir
+                )
             write_json(Path(tmp) / MANIFEST_FILE, publication.manifest)
             experiment = self._experiment_id()
             run = self._call(
@@ -259,6 +262,8 @@ class MlflowRegistry:
                 "download engine", self.client.download_artifacts, version.run_id, ENGINE_DIR, str(staging)
             )
             self._check_files(record, staging / ENGINE_DIR)
+            name = f"{record['model']}/{record['recipe']}/{record['target']}@{record['version']}"
+            check_engine_spec(staging / ENGINE_DIR, f"{name}: nothing was pulled")
         return Path(to)
 
     @staticmethod

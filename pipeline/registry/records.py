@@ -17,7 +17,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
 from pipeline.core.artifacts import sha256_file, write_json
-from pipeline.core.errors import first_line
+from pipeline.core.engine import read_engine_spec
+from pipeline.core.errors import PipelineError, first_line
+from pipeline.core.files import UnsafeFileError, open_regular, read_regular_text
 from pipeline.core.staging import owned_folder, remove_abandoned, unique_name
 from pipeline.registry.refs import Ref, RegistryError, RegistryIOError, check_channel, check_name
 
@@ -32,14 +34,36 @@ def now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
+MAX_PATH_CHARS = 1024
+MAX_NAME_BYTES = 255  # one path component (NAME_MAX)
+
+
 def safe_relative(path: Any, where: str) -> PurePosixPath:
-    """A file path from a manifest, refused if it could leave the folder it belongs to."""
+    """A file path from a manifest, refused if it could leave the folder it belongs to, or is
+    not one a file system holds (a control character, an over-long name, ``.`` parts)."""
     if not isinstance(path, str):
-        raise RegistryError(f"{where}: file path {path!r} is not a string; refusing it")
+        raise RegistryError(f"{where}: file path {_short(path)} is not a string; refusing it")
     rel = PurePosixPath(path)
     if not path or rel.is_absolute() or ".." in rel.parts or "\\" in path or "\0" in path or not rel.parts:
-        raise RegistryError(f"{where}: file path {path!r} leaves the engine folder; refusing it")
+        raise RegistryError(f"{where}: file path {_short(path)} leaves the engine folder; refusing it")
+    if (
+        len(path) > MAX_PATH_CHARS
+        or any(ord(c) < 0x20 or ord(c) == 0x7F for c in path)
+        or any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for part in rel.parts)
+        or rel.as_posix() != path.rstrip("/")
+        or path.endswith("/")
+    ):
+        raise RegistryError(
+            f"{where}: file path {_short(path)} is not a plain relative file name (no control "
+            "characters, '.' or empty parts, names of at most 255 bytes); refusing it"
+        )
     return rel
+
+
+def _short(value: Any) -> str:
+    """``repr`` of a value from a record, cut to fit in one line."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_sha256(value: Any, where: str) -> str:
@@ -63,14 +87,26 @@ def check_files(files: Any, where: str) -> list[dict[str, Any]]:
         raise RegistryError(f"{where} lists no engine files (engine.files must be a non-empty list)")
     checked: list[dict[str, Any]] = []
     seen: set[str] = set()
+    folders: dict[str, str] = {}  # every parent folder of a listed file -> that file
     for entry in files:
         if not isinstance(entry, dict):
-            raise RegistryError(f"{where}: engine file entry {entry!r} is not an object; refusing it")
+            raise RegistryError(f"{where}: engine file entry {_short(entry)} is not an object; refusing it")
         rel = safe_relative(entry.get("path"), where)
         name = f"{where}: {rel}"
         if rel.as_posix() in seen:
             raise RegistryError(f"{name} is listed twice; refusing it")
         seen.add(rel.as_posix())
+        for parent in rel.parents:
+            if parent.parts:
+                folders.setdefault(parent.as_posix(), rel.as_posix())
+        clash = next((p.as_posix() for p in rel.parents if p.as_posix() in seen), None)
+        if rel.as_posix() in folders and folders[rel.as_posix()] != rel.as_posix():
+            clash = folders[rel.as_posix()]
+        if clash is not None:
+            raise RegistryError(
+                f"{name} collides with {clash}: one path is a file and a folder of the other; "
+                "refusing the record"
+            )
         checked.append(
             {
                 "path": rel.as_posix(),
@@ -147,21 +183,46 @@ def check_engine_folder(engine_dir: Path, files: list[dict[str, Any]], where: st
     return digests
 
 
-def copy_hashed(source: Path, target: Path) -> str:
-    """Copy ``source`` to ``target`` and return the sha256 of what was copied."""
+def check_engine_spec(engine_dir: Path, what: str) -> None:
+    """The engine folder's ``engine.json`` read and checked (``pipeline.core.engine``: typed
+    fields, every file it names confined to the folder) and its ONNX graphs opened (protobuf
+    parsed, external data present and long enough): a folder that cannot load is neither
+    published nor pulled. One :class:`RegistryError` line naming what is wrong."""
+    try:
+        read_engine_spec(engine_dir)
+    except PipelineError as exc:
+        raise RegistryError(f"{what}: {exc}") from None
+
+
+def copy_hashed(
+    source: Path, target: Path, *, follow_symlinks: bool = True, within: Path | None = None
+) -> str:
+    """Copy ``source`` to ``target`` and return the sha256 of what was copied. ``source`` must be
+    a regular file (``pipeline/core/files.py``: a FIFO or device is refused, never read, and no
+    more than its size at open is copied); ``target`` is created new (``x``: never through a
+    file or link already there)."""
     digest = hashlib.sha256()
-    with open(source, "rb") as reader, open(target, "wb") as writer:
-        while chunk := reader.read(_CHUNK):
+    with (
+        open_regular(
+            source, follow_symlinks=follow_symlinks, within=within, what="an engine file copied"
+        ) as reader,
+        open(target, "xb") as writer,
+    ):
+        left = os.fstat(reader.fileno()).st_size
+        while left > 0 and (chunk := reader.read(min(_CHUNK, left))):
             digest.update(chunk)
             writer.write(chunk)
+            left -= len(chunk)
     return digest.hexdigest()
 
 
-def stage_file(source: Path, target: Path, entry: dict[str, Any]) -> None:
+def stage_file(source: Path, target: Path, entry: dict[str, Any], within: Path | None = None) -> None:
     """Copy an engine file to be published to ``target``, hashing it on the way: refused unless
     the bytes are the ones the run recorded (sha256 and size)."""
     try:
-        actual = copy_hashed(source, target)
+        actual = copy_hashed(source, target, within=within)
+    except UnsafeFileError as exc:
+        raise RegistryError(f"{exc}; refusing it") from None
     except FileNotFoundError:
         raise RegistryError(
             f"{source} is missing: the run folder no longer holds the engine it recorded"
@@ -180,10 +241,15 @@ def stage_file(source: Path, target: Path, entry: dict[str, Any]) -> None:
         raise RegistryError(f"{source} holds {size} bytes, its manifest says {entry['bytes']}; refusing it")
 
 
-def load_json(path: Path, what: str) -> Any:
-    """A JSON file, or a one-line :class:`RegistryError` naming it."""
+def load_json(path: Path, what: str, follow_symlinks: bool = True) -> Any:
+    """A JSON file (a regular file only, at most 64 MiB), or a one-line :class:`RegistryError`
+    naming it."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_regular_text(path, follow_symlinks=follow_symlinks, what=what))
+    except UnsafeFileError as exc:
+        raise RegistryError(str(exc)) from None
+    except RecursionError:
+        raise RegistryError(f"{path} is not valid JSON ({what}: nested too deeply)") from None
     except FileNotFoundError:
         raise RegistryError(f"{path} is missing ({what})") from None
     except OSError as exc:
@@ -348,6 +414,7 @@ def prepare_publication(
         raise RegistryError(f"{where}: engine.tensorrt {engine.get('tensorrt')!r} is not an object")
     engine_dir = engine_folder(run_dir, engine.get("path"), where)
     check_engine_layout(engine_dir, files, where)
+    check_engine_spec(engine_dir, f"{run_dir}: cannot publish")
     forced = None if verdict == "PASS" else str(force)
     return Publication(run_dir, manifest, ref, engine_dir, files, channel, forced)
 

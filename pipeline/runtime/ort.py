@@ -7,8 +7,6 @@ per-step copy through numpy happens; logits are written straight into a numpy bu
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,15 +16,26 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from pipeline.core.engine import ENGINE_FILE, KV_NUMPY_DTYPES, KV_ONNX_ELEMENT_TYPES, LOGITS_POSITIONS, IOSpec
+from pipeline.core.engine import (
+    KV_LAYOUTS,
+    KV_NUMPY_DTYPES,
+    KV_ONNX_ELEMENT_TYPES,
+    LOGITS_POSITIONS,
+    TARGETS,
+    DraftSpec,
+    EngineSpec,
+    IOSpec,
+    read_engine_spec,
+)
 from pipeline.core.errors import ConfigError, EngineError, first_line
+from pipeline.core.files import sha256_regular
 from pipeline.core.gpu import require_ort_provider
 from pipeline.core.graph_io import graph_ops
 from pipeline.runtime.generate import GenerationConfig, GenerationResult, generate, select_logits
 from pipeline.runtime.serving import Completion, Request, ServingLimits, serve
 from pipeline.runtime.speculative import DraftStats, speculative_generate
 
-SUPPORTED_TARGETS = ("ort-cpu", "ort-cuda", "ort-trt", "tensorrt")
+SUPPORTED_TARGETS = TARGETS
 GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 # Where ONNX Runtime's TensorRT EP keeps the engines and timing cache it builds on this machine
 # (``{cache}`` in an ort-trt engine's provider options).
@@ -306,23 +315,16 @@ class Engine:
         prefill_graph: bool = True,
     ) -> None:
         self.folder = Path(folder)
-        spec_path = self.folder / ENGINE_FILE
-        if not spec_path.is_file():
-            raise EngineError(f"{self.folder} is not an engine folder (no {ENGINE_FILE}): build one first")
-        try:
-            self.spec = json.loads(spec_path.read_text())
-            self.io = IOSpec.from_dict(self.spec["io"])
-            model_file = self.folder / self.spec["model_file"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise EngineError(f"{spec_path} is malformed ({first_line(exc)}): rebuild the engine") from None
-        target = self.spec.get("target")
-        if target not in SUPPORTED_TARGETS:
-            supported = ", ".join(SUPPORTED_TARGETS)
-            raise EngineError(f"{spec_path} is built for target '{target}'; this runtime runs {supported}")
-        if not model_file.is_file():
-            raise EngineError(f"{model_file} is missing: the engine folder is incomplete, rebuild it")
-        session = self.spec.get("session", {})
-        self.max_length = int(self.spec.get("max_length", 2048))
+        # engine.json is untrusted: every field typed and every file it names (graphs, their
+        # external data, the tokenizer, the draft) confined to the folder, before any load
+        self.engine_spec: EngineSpec = read_engine_spec(self.folder)
+        spec = self.engine_spec
+        self.spec = spec.raw
+        self.io = spec.io
+        spec_path = spec.path
+        model_file = spec.model_path
+        target = spec.target
+        self.max_length = spec.max_length
         self.model: OrtModel | Any
         if target == "tensorrt":
             from pipeline.runtime.tensorrt import TrtModel
@@ -330,7 +332,7 @@ class Engine:
             self.model = TrtModel(model_file, self.io, self.spec)
         else:
             check_kv_layout(self.io, model_file, spec_path)
-            providers = self.spec.get("providers", ["CPUExecutionProvider"])
+            providers = list(spec.providers)
             if providers[0] in GPU_PROVIDERS:  # ONNX Runtime would quietly run it on the CPU
                 try:
                     require_ort_provider(providers[0])
@@ -339,47 +341,32 @@ class Engine:
             self.model = OrtModel(
                 model_file,
                 self.io,
-                threads=threads or int(session.get("intra_op_num_threads", 0)),
-                optimization=session.get("graph_optimization_level", "all"),
+                threads=threads or spec.intra_op_num_threads,
+                optimization=spec.graph_optimization_level,
                 providers=providers,
                 capacity=self.max_length,
-                provider_options=resolve_provider_options(self.spec.get("provider_options")),
+                provider_options=resolve_provider_options(
+                    list(spec.provider_options) if spec.provider_options else None
+                ),
                 prepack=prepack,
-                prefill_model_path=self._prefill_model_file(spec_path) if prefill_graph else None,
+                prefill_model_path=spec.prefill_model_path if prefill_graph else None,
             )
         self._tokenizer: Any = None
-        tokens = self.spec.get("tokens", {})
-        self.eos_token_ids: list[int] = list(tokens.get("eos_token_ids", []))
-        self.pad_token_id: int = int(
-            tokens.get("pad_token_id", self.eos_token_ids[0] if self.eos_token_ids else 0)
+        self.eos_token_ids: list[int] = list(spec.tokens.eos_token_ids)
+        pad = spec.tokens.pad_token_id
+        self.pad_token_id: int = (
+            pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         )
         self.draft: Engine | None = None
         self.speculative_k = 0
         self.last_draft_stats: DraftStats | None = None  # of the latest speculative generate_ids
-        plan = self.spec.get("speculative")
-        if plan and speculative:
-            self.draft, self.speculative_k = self._load_draft(plan, threads, spec_path)
+        if spec.speculative is not None and speculative:
+            self.draft, self.speculative_k = self._load_draft(spec.speculative, threads)
 
-    def _prefill_model_file(self, spec_path: Path) -> Path | None:
-        """The int8-KV engine's prefill graph (``engine.json`` ``prefill_model_file``), if any."""
-        name = self.spec.get("prefill_model_file")
-        if name is None:
-            return None
-        path = self.folder / str(name)
-        if Path(str(name)).name != str(name) or not path.is_file():
-            raise EngineError(f"{spec_path} names prefill graph {name!r}, which the folder lacks: rebuild it")
-        return path
-
-    def _load_draft(self, plan: Any, threads: int, spec_path: Path) -> tuple[Engine, int]:
-        try:
-            folder, k = self.folder / str(plan["draft"]), int(plan["k"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EngineError(f"{spec_path}: malformed 'speculative' entry ({first_line(exc)})") from None
-        if k < 1:
-            raise EngineError(f"{spec_path}: speculative k={k} must be at least 1")
-        draft = Engine(folder, threads=threads, speculative=False)
+    def _load_draft(self, plan: DraftSpec, threads: int) -> tuple[Engine, int]:
+        draft = Engine(plan.folder, threads=threads, speculative=False)
         check_draft(self, draft)
-        return draft, k
+        return draft, plan.k
 
     @property
     def tokenizer(self) -> Any:
@@ -534,9 +521,6 @@ class Engine:
         return [GeneratedText(text, ids) for text, ids in zip(texts, result.tokens, strict=True)]
 
 
-KV_LAYOUTS = ("concat", "shared")
-
-
 def resolve_provider_options(options: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Provider options of ``engine.json`` for this machine: ``{cache}`` becomes the ORT
     TensorRT EP's cache folder (``$PIPELINE_ORT_TRT_CACHE`` or ``~/.cache/llm-pipeline/ort-trt``),
@@ -558,23 +542,25 @@ def resolve_provider_options(options: list[dict[str, Any]] | None) -> list[dict[
 
 def check_draft(target: Engine, draft: Engine) -> None:
     """Refuse a draft that cannot propose the target's tokens (see :func:`check_draft_folders`)."""
-    check_draft_folders(target.folder, target.spec, draft.folder, draft.spec)
+    check_draft_specs(target.engine_spec, draft.engine_spec)
 
 
-def check_draft_folders(
-    target_folder: Path, target_spec: dict[str, Any], draft_folder: Path, draft_spec: dict[str, Any]
-) -> None:
+def check_draft_folders(target_folder: Path, draft_folder: Path) -> None:
+    """:func:`check_draft_specs` of two engine folders (their ``engine.json`` read and checked)."""
+    check_draft_specs(read_engine_spec(target_folder), read_engine_spec(draft_folder))
+
+
+def check_draft_specs(target: EngineSpec, draft: EngineSpec) -> None:
     """Refuse a draft of another vocabulary or tokenizer, and KV buffers that cannot roll back;
     from the engine folders and their ``engine.json``, before or without loading a session."""
-    target_io, draft_io = IOSpec.from_dict(target_spec["io"]), IOSpec.from_dict(draft_spec["io"])
+    target_folder, draft_folder = target.folder, draft.folder
+    target_io, draft_io = target.io, draft.io
     if draft_io.vocab_size != target_io.vocab_size:
         raise EngineError(
             f"draft {draft_folder} has a vocabulary of {draft_io.vocab_size} tokens, the target "
             f"{target_io.vocab_size}: a draft must share the target's tokenizer"
         )
-    if draft_spec.get("tokens") != target_spec.get("tokens") or _tokenizer_digest(draft_folder) != (
-        _tokenizer_digest(target_folder)
-    ):
+    if draft.tokens != target.tokens or _tokenizer_digest(draft_folder) != (_tokenizer_digest(target_folder)):
         raise EngineError(f"draft {draft_folder} has another tokenizer than the target: rebuild the draft")
     for folder, io in ((target_folder, target_io), (draft_folder, draft_io)):
         if io.kv_capacity:
@@ -586,7 +572,9 @@ def check_draft_folders(
 
 def _tokenizer_digest(folder: Path) -> str:
     path = folder / "tokenizer.json"
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "absent"
+    if not os.path.lexists(path):
+        return "absent"
+    return sha256_regular(path, within=folder, what="an engine's tokenizer")
 
 
 def check_kv_layout(io: IOSpec, model_file: Path, where: Path) -> None:

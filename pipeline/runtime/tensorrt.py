@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.errors import ConfigError, EngineError
+from pipeline.core.files import read_regular
 from pipeline.core.gpu import GpuInfo
 
 
@@ -84,7 +85,8 @@ class TrtModel:
         self.profiles = recorded.get("profiles", {})
         self.logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)
-        self.engine = self.runtime.deserialize_cuda_engine(plan_file.read_bytes())
+        plan = read_regular(plan_file, within=plan_file.parent, what="a TensorRT plan")
+        self.engine = self.runtime.deserialize_cuda_engine(plan)
         if self.engine is None:
             raise EngineError(f"TensorRT could not deserialize {plan_file}: its log above says why")
         self.context = self.engine.create_execution_context()

@@ -566,11 +566,11 @@ import pipeline.registry.local as local
 import pipeline.registry.records as records
 from pipeline.registry.__main__ import main
 real = records.copy_hashed
-def slow(source, target):  # SIGTERM arrives in the middle of a copy
+def slow(source, target, **options):  # SIGTERM arrives in the middle of a copy
     with open(target, "wb") as handle:
         handle.write(b"partial")
     os.kill(os.getpid(), signal.SIGTERM)
-    return real(source, target)
+    return real(source, target, **options)
 local.copy_hashed = records.copy_hashed = slow
 sys.exit(main(sys.argv[1:]))
 """

@@ -43,7 +43,7 @@ def test_versions_count_up_and_are_never_overwritten(
     assert [v["version"] for v in index["versions"]] == [1, 2, 3]
     # Versions 1 and 3 hold the same bytes: stored once.
     blobs = list((tmp_path / "reg" / "blobs" / "sha256").glob("*/*"))
-    assert len(blobs) == 2 * 2 + 1  # model.onnx and config.json per distinct seed, one tokenizer
+    assert len(blobs) == 2 * 2 + 2  # model.onnx and config.json per distinct seed, one tokenizer, engine.json
     record_file = tmp_path / "reg" / "versions" / "llama" / "int8" / "ort-cpu" / "1.json"
     assert not record_file.stat().st_mode & stat.S_IWUSR
     first = store.resolve(Ref.parse("llama/int8@1"))

@@ -446,7 +446,7 @@ def test_tensorrt_engine_without_tensorrt_is_one_line(engine_copy: Path) -> None
     naming the folder and what to install, before any plan is read."""
     if importlib.util.find_spec("tensorrt") is not None:
         pytest.skip("tensorrt is installed here: the refusal path needs a machine without it")
-    _edit_spec(engine_copy, target="tensorrt")
+    _edit_spec(engine_copy, target="tensorrt", tensorrt={"version": "10.0", "profiles": {}})
     with pytest.raises(EngineError, match="TensorRT engine: TensorRT is not installed") as info:
         Engine(engine_copy)
     assert str(engine_copy) in str(info.value) and "\n" not in str(info.value)
@@ -467,16 +467,24 @@ def test_model_file_named_in_engine_json_is_used(engine_copy: Path) -> None:
 
 def test_corrupt_model_file_raises(engine_copy: Path) -> None:
     (engine_copy / "model.onnx").write_bytes(b"not a protobuf")
-    with pytest.raises(EngineError, match="cannot load") as info:
+    with pytest.raises(EngineError, match="is not a readable ONNX graph") as info:
         Engine(engine_copy)
-    assert "model.onnx" in str(info.value)
+    assert "model.onnx" in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"target": "ort-cpu"}', "[]"])
-def test_malformed_engine_json_raises_engine_error(engine_copy: Path, content: str) -> None:
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("{not json", "is not valid JSON"),
+        ('{"target": "ort-cpu"}', "io is missing"),
+        ("[]", "is a list, not a JSON object"),
+    ],
+)
+def test_malformed_engine_json_raises_engine_error(engine_copy: Path, content: str, needle: str) -> None:
     (engine_copy / ENGINE_FILE).write_text(content)
-    with pytest.raises(EngineError, match="is malformed"):
+    with pytest.raises(EngineError, match=needle) as info:
         Engine(engine_copy)
+    assert str(engine_copy / ENGINE_FILE) in str(info.value) and "\n" not in str(info.value)
 
 
 def test_prompt_past_max_length_is_refused(tiny: Subject) -> None:
