@@ -186,11 +186,11 @@ def peak_rss(gguf: Path, tokens: int, threads: int, repo: Path) -> dict[str, int
 def child_rss(script: str, args: list[str], cwd: Path) -> dict[str, int]:
     """Run ``script`` in a fresh Python with ``args``; it prints RSS after loading and the peak
     while decoding (bytes), which come back as a record. The child runs in isolated mode with a
-    clean environment (``pipeline.bench.isolated_script``): no inherited PYTHONPATH or
+    clean environment (``pipeline.core.subprocesses.isolated_script``): no inherited PYTHONPATH or
     PYTHONSTARTUP; the project root is put on its path explicitly."""
     import subprocess
 
-    from pipeline.bench import child_environment, isolated_script
+    from pipeline.core.subprocesses import child_environment, isolated_script
 
     done = subprocess.run(
         isolated_script(script, *args),

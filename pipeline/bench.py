@@ -44,6 +44,7 @@ from pipeline.core.config import build_config
 from pipeline.core.engine import read_engine_spec
 from pipeline.core.errors import ConfigError, EngineError, PipelineError, describe_os_error, one_line
 from pipeline.core.signals import exit_code, interrupt_on_sigterm
+from pipeline.core.subprocesses import child_environment, isolated_python
 
 log = logging.getLogger(__name__)
 
@@ -248,47 +249,6 @@ def speculative_benchmark(engine: Any, config: BenchConfig) -> dict[str, Any]:
         "tokens_per_round": round((totals["accepted"] + totals["rounds"]) / max(totals["rounds"], 1), 3),
         "identical_to_target": identical,
     }
-
-
-# Environment variables a child process of ours never inherits: the interpreter's own (a recipe's
-# ``hydra.job.env_set`` could point PYTHONPATH or PYTHONSTARTUP at code) and the dynamic loader's
-# preloads. ``-I`` (isolated mode) ignores the PYTHON* ones anyway; dropping them also keeps them
-# from the child's own children.
-_UNSAFE_ENV = ("LD_PRELOAD", "LD_AUDIT")
-PROJECT_ROOT = Path(__file__).resolve().parent.parent  # holds pipeline/, passes/, evals/
-# Run a module of ours in isolated mode: no PYTHONPATH, no user site, no current folder on
-# sys.path; the project root comes as the first argument instead.
-_ISOLATED_MAIN = (
-    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); name = sys.argv.pop(1); "
-    "sys.argv[0] = name; runpy.run_module(name, run_name='__main__', alter_sys=True)"
-)
-
-
-def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment for a child of ours, without PYTHON* variables or loader
-    preloads (see :func:`isolated_python`)."""
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith("PYTHON") and key not in _UNSAFE_ENV
-    }
-    return {**env, **(extra or {})}
-
-
-def isolated_python(module: str, *args: str) -> list[str]:
-    """The command line that runs ``python -m module args`` in Python's isolated mode (``-I``:
-    neither PYTHONPATH, PYTHONSTARTUP nor a ``sitecustomize.py`` outside the installation is
-    used), with the project root passed explicitly; run it with :func:`child_environment`."""
-    return [sys.executable, "-I", "-c", _ISOLATED_MAIN, str(PROJECT_ROOT), module, *args]
-
-
-def isolated_script(script: str, *args: str) -> list[str]:
-    """:func:`isolated_python` for a script given as text (``python -I -c``), which sees
-    ``args`` as ``sys.argv[1:]``."""
-    boot = (
-        "import sys; sys.path.insert(0, sys.argv.pop(1)); exec(compile(sys.argv.pop(1), '<child>', 'exec'))"
-    )
-    return [sys.executable, "-I", "-c", boot, str(PROJECT_ROOT), script, *args]
 
 
 def benchmark_in_subprocess(

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import PassError, PipelineError, first_line
+from pipeline.core.subprocesses import PROJECT_ROOT, child_environment
 
 LAUNCHERS = ("inline", "accelerate")
 STRATEGIES = ("ddp", "fsdp")
@@ -53,7 +54,6 @@ STOP_GRACE_S = 30  # after Ctrl-C: how long the agent gets to stop its ranks bef
 # rank stuck in a collective or stopped outright would hold torchrun's agent for 30 s more).
 FAILED_GRACE_S = 5
 POLL_S = 0.5
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 def max_processes(device_type: str) -> int:
@@ -319,8 +319,11 @@ def launch(
             # could be taken meanwhile by another launch on this machine).
             command += ["--multi_gpu", "--main_process_port", "0"]
         command += ["-m", "pipeline.core.distributed", str(work / SPEC_FILE)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
+        # accelerate starts the ranks itself, so they cannot run in isolated mode: the project root
+        # is their only PYTHONPATH (never one inherited from a recipe's hydra.job.env_set).
+        env = child_environment(
+            {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(PROJECT_ROOT)}
+        )
         code, tail = _run(command, env, work)
         if code != 0:
             raise _failure(work, tail, num_processes, code, knob)

@@ -24,11 +24,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pipeline.bench import benchmark_in_subprocess, child_environment, isolated_python, measure
+from pipeline.bench import benchmark_in_subprocess, measure
 from pipeline.config import BenchConfig
 from pipeline.core.artifacts import Artifact, write_json
 from pipeline.core.engine import ENGINE_FILE, EngineSpec, read_engine_spec
 from pipeline.core.errors import EngineError
+from pipeline.core.subprocesses import child_environment, isolated_python
 from pipeline.manifest import engine_files
 from pipeline.runtime import Engine
 

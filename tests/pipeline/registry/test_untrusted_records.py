@@ -22,8 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.bench import child_environment
 from pipeline.core.artifacts import write_json
+from pipeline.core.subprocesses import child_environment
 from pipeline.registry import LocalRegistry, Ref, RegistryError
 from pipeline.registry.records import check_files
 
