@@ -7,12 +7,16 @@ until the folder has been renamed into place or removed. Anyone may remove a sta
 lock it can take at once: the owner is provably gone (a crash or SIGKILL releases the lock with the
 process), whichever host or PID namespace it ran in. A local PID check cannot say that: a PID from
 another host or container means nothing here. For file systems whose locks do not reach every
-host, ``max_age_s`` also removes folders in which nothing was written for longer than that, whatever
-their lock says (``pipeline.staging_max_age_h``).
+host, ``max_age_s`` (``pipeline.staging_max_age_h``) adds a condition: a folder whose lock is free
+is removed only once nothing was written in it for longer than that. Age is never a reason on its
+own: a folder whose lock is held is never removed, however old.
 
 A lock file is only ever unlinked by a process holding its lock, and whoever takes a lock checks
 that the file it locked is still the one at that path (else it locks the new one), so a lock file
-removed and recreated between ``open`` and ``flock`` never makes two owners.
+removed and recreated between ``open`` and ``flock`` never makes two owners. Lock files are opened
+with ``O_NOFOLLOW`` and ``O_NONBLOCK`` and must be regular files: a symlink, FIFO, socket, device or
+folder planted at a lock path is refused in one line naming it
+(:class:`~pipeline.core.files.UnsafeFileError`), never followed or created through.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import OS_ERROR_FIXES, StorageError
+from pipeline.core.files import UnsafeFileError, describe_mode
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +67,7 @@ def _try_lock(path: Path, create: bool = True) -> int | None:
     if str(path) in _held:
         return None
     for _ in range(_RETRIES):
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o644)
+        fd = _open_lock(path, create)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -70,13 +76,51 @@ def _try_lock(path: Path, create: bool = True) -> int | None:
                 return None
             raise
         try:
-            current = os.stat(path).st_ino
+            current = os.lstat(path).st_ino
         except FileNotFoundError:
             current = None
         if current == os.fstat(fd).st_ino:
             return fd
         os.close(fd)  # unlinked by its holder meanwhile: lock the file now at that path
     return None
+
+
+def _bad_lock(path: Path, mode: int) -> UnsafeFileError:
+    return UnsafeFileError(
+        f"{path} is {describe_mode(mode)}, where a staging lock must be a regular file (planted or "
+        "left by something else): remove it; locks are never followed or created through a link"
+    )
+
+
+def check_lock_path(path: Path) -> None:
+    """Refuse (:class:`~pipeline.core.files.UnsafeFileError`, one line naming ``path``) anything at
+    a lock path that is not a regular file: a symlink (dangling or not), FIFO, socket, device or
+    folder. A missing path is fine (the lock is created)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise _bad_lock(path, mode)
+
+
+def _open_lock(path: Path, create: bool) -> int:
+    """Open the lock file ``path`` (created when missing and ``create``): ``O_NOFOLLOW`` (a
+    symlink there is refused, not followed: a planted one would otherwise create a file at its
+    target), ``O_NONBLOCK`` (a FIFO there never blocks the open), and a regular file only."""
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        raise
+    except OSError:
+        check_lock_path(path)  # a symlink (ELOOP), a folder (EISDIR), a socket (ENXIO): named
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _bad_lock(path, mode)
+    return fd
 
 
 def _unlock(fd: int, path: Path, unlink: bool) -> None:
@@ -230,8 +274,8 @@ def is_owned(folder: Path) -> bool:
         fd = _try_lock(path, create=False)
     except FileNotFoundError:
         return False
-    except OSError:  # cannot even open the lock (read-only storage): assume it is alive
-        return True
+    except (OSError, UnsafeFileError):  # cannot open the lock (read-only storage, not a regular
+        return True  # file): assume it is alive, and keep what it may own
     if fd is None:
         return True
     _unlock(fd, path, unlink=not folder.exists())  # a lock whose folder is gone is stray
@@ -243,13 +287,16 @@ def remove_abandoned(
 ) -> list[Path]:
     """Remove the staging folders (and files) under ``parent`` whose names start with ``prefix``
     (and match all of ``pattern``, when given: in folders shared with other files) and whose
-    owner is gone (their lock is free) or in which nothing was written for longer than
-    ``max_age_s``. Returns what was removed. Lock files whose folder is gone are removed too.
-    Storage this process cannot write (a read-only cache) is left as it is."""
+    owner is gone: their lock is free. ``max_age_s`` is an extra condition, never a reason on its
+    own: with it, a folder whose lock is free is removed only once nothing was written in it for
+    longer than that (where locks do not reach every host, a free lock is not proof); a folder
+    whose lock is held is never removed, however old. Returns what was removed. Lock files whose
+    folder is gone are removed too. Storage this process cannot write (a read-only cache) is left
+    as it is, and so is anything at a lock path that is not a regular file (a planted symlink:
+    one warning naming it; it is never followed)."""
     removed: list[Path] = []
     if not parent.is_dir():
         return removed
-    now = time.time()
     try:
         names = sorted(os.listdir(parent))
     except OSError:
@@ -265,34 +312,32 @@ def remove_abandoned(
             continue  # ours
         try:
             fd = _try_lock(lock)
+        except UnsafeFileError as exc:
+            log.warning("keeping %s: %s", path, exc)
+            continue
         except OSError as exc:
             log.debug("cannot check %s: %s", path, exc)
             continue
         if fd is None:
-            if max_age_s is None or now - newest_mtime(path) <= max_age_s:
-                continue  # its owner is alive, on this host or another
-            log.warning(
-                "removing %s: nothing written for %.0f h, although its lock is still held",
-                path,
-                (now - newest_mtime(path)) / 3600,
-            )
-            _remove(path)
-            removed.append(path)
-            continue
+            continue  # its owner is alive, on this host or another: whatever its age
+        young = max_age_s is not None and time.time() - newest_mtime(path) <= max_age_s
         try:
-            if path.exists() or path.is_symlink():
+            if not young and (path.exists() or path.is_symlink()):
                 _remove(path)
                 removed.append(path)
         finally:
-            _unlock(fd, lock, unlink=True)
+            _unlock(fd, lock, unlink=not young)
     for stray in parent.glob(f"{prefix}*{LOCK_SUFFIX}"):  # a lock whose folder is gone
         folder = stray.with_name(stray.name[: -len(LOCK_SUFFIX)])
         if pattern is not None and not pattern.fullmatch(folder.name):
             continue
-        if str(stray) in _held or folder.exists():
+        if str(stray) in _held or folder.exists() or folder.is_symlink():
             continue
         try:
             fd = _try_lock(stray)
+        except UnsafeFileError as exc:
+            log.warning("%s", exc)
+            continue
         except OSError:
             continue
         if fd is None:

@@ -343,9 +343,10 @@ def test_full_disk_and_read_only_cache_are_one_line_and_leave_nothing(
     assert "pipeline.cache_dir" in miss["error"] and miss["staging"] == []
 
 
-def test_max_age_removes_a_locked_staging_nobody_writes(tmp_path: Path) -> None:
-    """``pipeline.staging_max_age_h``: on storage whose locks do not reach every host, a staging
-    folder untouched for longer is removed at cache open although its lock is held."""
+def test_max_age_never_removes_a_live_jobs_staging(tmp_path: Path) -> None:
+    """``pipeline.staging_max_age_h`` (issue 37, class 10): a staging folder whose owner holds its
+    lock survives a cache open with any maximum age (``0.0002`` h deleted it before); once its
+    owner is gone, it is removed only when nobody wrote it for longer than that."""
     from omegaconf import OmegaConf
 
     from pipeline.run import staging_max_age_s
@@ -355,11 +356,15 @@ def test_max_age_removes_a_locked_staging_nobody_writes(tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
     Cache(cache_dir)
     stale = cache_dir / ".staging" / f"{'e' * 64}.{FOREIGN_PID}.0123456789ab"
-    with owner_process(stale):
+    with owner_process(stale) as owner:
         old = os.stat(stale).st_mtime - 3 * 3600
         for path in (stale / "work.bin", stale):
             os.utime(path, (old, old))
-        Cache(cache_dir)  # by lock only: kept
-        assert stale.is_dir()
-        Cache(cache_dir, max_age_s=7200)
-        assert not stale.exists()
+        for max_age_s in (None, 7200, 0.0002 * 3600):
+            Cache(cache_dir, max_age_s=max_age_s)
+            assert (stale / "work.bin").read_bytes() == b"half"
+        kill_owner(owner, stale)
+    Cache(cache_dir, max_age_s=4 * 3600)  # free, but written less than 4 h ago: kept
+    assert stale.is_dir()
+    Cache(cache_dir, max_age_s=7200)
+    assert not stale.exists() and staging_names(cache_dir) == []

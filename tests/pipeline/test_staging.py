@@ -1,5 +1,6 @@
 """Lock-owned staging folders (``pipeline/core/staging.py``): removed by others only when their owner
-is gone, whichever host or PID namespace it ran in, or when nobody wrote them for too long."""
+is gone (its lock is free), whichever host or PID namespace it ran in, and, with a maximum age, only
+once nobody wrote them for that long; lock paths never follow a link."""
 
 from __future__ import annotations
 
@@ -187,21 +188,26 @@ def test_prefix_and_pattern_spare_other_files(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == [".engine-mine", "notes.txt"]
 
 
-def test_max_age_removes_a_locked_folder_nobody_writes(tmp_path: Path) -> None:
-    """On storage whose locks do not reach every host, a held lock is not proof: a folder in which
-    nothing was written for longer than ``max_age_s`` goes; one still written stays."""
+def test_max_age_is_a_condition_on_a_free_lock_never_a_reason_on_its_own(tmp_path: Path) -> None:
+    """Issue 37, class 10: ``max_age_s`` never removes a folder whose owner still holds its lock,
+    however old and however small the age (``staging_max_age_h=0.0002`` deleted a live job's
+    staging); once the lock is free, the folder goes only after nothing was written for longer."""
     folder = tmp_path / f"key.{FOREIGN_PID}.0123456789ab"
-    with owner_process(folder):
-        assert remove_abandoned(tmp_path, max_age_s=3600) == []
-        old = time.time() - 7200
+    old = time.time() - 7200
+    with owner_process(folder) as owner:
         for path in (folder / "work.bin", folder):
             os.utime(path, (old, old))
-        (folder / "fresh.bin").write_bytes(b"new")  # the owner is still writing
-        os.utime(folder, (old, old))
-        assert remove_abandoned(tmp_path, max_age_s=3600) == []
-        os.utime(folder / "fresh.bin", (old, old))
-        assert remove_abandoned(tmp_path, max_age_s=3600) == [folder]
-        assert not folder.exists()
+        for max_age_s in (3600, 0.72, 0):
+            assert remove_abandoned(tmp_path, max_age_s=max_age_s) == []
+        assert (folder / "work.bin").read_bytes() == b"half" and is_owned(folder)
+        kill_owner(owner, folder)
+    (folder / "fresh.bin").write_bytes(b"new")  # written a moment ago: young, although free
+    os.utime(folder, (old, old))
+    assert remove_abandoned(tmp_path, max_age_s=3600) == []
+    assert folder.is_dir() and not is_owned(folder)  # its lock was released, not kept
+    os.utime(folder / "fresh.bin", (old, old))
+    assert remove_abandoned(tmp_path, max_age_s=3600) == [folder]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the folder and its lock
 
 
 CHURN = """
