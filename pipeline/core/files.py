@@ -130,7 +130,7 @@ def read_regular(
         size = os.fstat(handle.fileno()).st_size
         if max_bytes is not None and size > max_bytes:
             raise UnsafeFileError(
-                f"{path} is {size} bytes, more than the {max_bytes} a {what} may be: it is not such a file"
+                f"{path} is {size} bytes, more than the {max_bytes} bytes allowed for {what}: it is not such a file"
             )
         return handle.read(size)
 
