@@ -16,7 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.config import MAX_SAMPLES, MAX_SEED, MAX_THREADS, MAX_TOKENS, _is_int, _is_number
+from pipeline.core.config import knob as knob_name
 from pipeline.core.errors import CalibrationError
+from pipeline.core.planned_model import PlannedModel
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DATASETS = {"python_reference": "python_reference.txt"}
@@ -38,12 +41,49 @@ class CalibrationConfig:
     collective_timeout_s: float = 300.0
 
     def validate(self) -> None:
-        if not (isinstance(self.num_processes, int) and self.num_processes >= 1):
-            raise CalibrationError(f"calibration.num_processes={self.num_processes!r} must be 1 or more")
-        if not self.collective_timeout_s > 0:
+        # The lower bounds of num_samples and seq_len are each pass's to check (check_windows), in
+        # its own words; the model's context bounds seq_len too (check_context).
+        for name, value, low, high in (
+            ("num_samples", self.num_samples, None, MAX_SAMPLES),
+            ("seq_len", self.seq_len, None, MAX_TOKENS),
+            ("seed", self.seed, 0, MAX_SEED),
+            ("num_processes", self.num_processes, 1, MAX_THREADS),
+        ):
+            if not _is_int(value) or (low is not None and value < low) or value > high:
+                low = {"num_samples": 1, "seq_len": 2}.get(name, low)
+                where = knob_name(f"calibration.{name}")
+                raise CalibrationError(f"{where}={value!r}: must be a whole number from {low} to {high}")
+        timeout = self.collective_timeout_s
+        if not _is_number(timeout) or not 0 < timeout <= MAX_COLLECTIVE_TIMEOUT_S:
             raise CalibrationError(
-                f"calibration.collective_timeout_s={self.collective_timeout_s!r} must be above 0"
+                f"{knob_name('calibration.collective_timeout_s')}={timeout!r}: must be more than 0 and at "
+                f"most {MAX_COLLECTIVE_TIMEOUT_S:.0f} seconds"
             )
+
+
+MAX_COLLECTIVE_TIMEOUT_S = 86400.0  # a day: a collective waiting longer waits on a dead rank
+
+
+def check_windows(config: CalibrationConfig, where: str) -> None:
+    """At least one window of at least 2 tokens (``where``: ``prune.calibration``)."""
+    if config.num_samples < 1:
+        raise CalibrationError(
+            f"{where}.num_samples={config.num_samples}: at least one calibration window is needed"
+        )
+    if config.seq_len < 2:
+        raise CalibrationError(f"{where}.seq_len={config.seq_len}: must be at least 2")
+
+
+def check_context(config: Any, facts: PlannedModel, where: str) -> None:
+    """A window of ``config.seq_len`` tokens (a CalibrationConfig's, the sensitivity scan's) longer
+    than the model's context (``max_position_embeddings``) is refused at start-up, naming
+    ``<where>.seq_len`` (``where``: ``quant.calibration``)."""
+    context = facts.config.get("max_position_embeddings")
+    if _is_int(context) and context > 0 and _is_int(config.seq_len) and config.seq_len > context:
+        raise CalibrationError(
+            f"{where}.seq_len={config.seq_len}: longer than the model's context of {context} tokens "
+            f"(max_position_embeddings); set {where}.seq_len to at most {context}"
+        )
 
 
 EXECUTION_FIELDS = ("num_processes", "collective_timeout_s")
@@ -100,9 +140,12 @@ def token_windows(
             f"{knob}.seq_len={config.seq_len}: lower {knob}.seq_len"
         )
     if config.num_samples > available:
+        longest = len(ids) // config.num_samples
+        shorter = f"or {knob}.seq_len to at most {longest}" if longest >= 2 else ""
         raise CalibrationError(
-            f"{knob}.num_samples={config.num_samples} exceeds the {available} windows of "
-            f"{config.seq_len} tokens in '{config.dataset}': lower num_samples or seq_len"
+            f"{knob}.num_samples={config.num_samples} x {knob}.seq_len={config.seq_len} needs "
+            f"{config.num_samples * config.seq_len} tokens, more than the {len(ids)} of '{config.dataset}': "
+            f"lower {knob}.num_samples to at most {available} {shorter}".strip()
         )
     windows = ids[: available * config.seq_len].reshape(available, config.seq_len)
     chosen = np.random.default_rng(config.seed).choice(available, size=config.num_samples, replace=False)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.core.config import _is_int, _show, check_int
+from pipeline.core.config import MAX_TOKENS, _is_int, _show, check_int
 from pipeline.core.errors import ConfigError
+
+MAX_QUALITY_TOKENS = 1 << 24  # tokens scored in all: 16M, hours on any engine
 
 
 @dataclass
@@ -28,10 +30,10 @@ class QualityConfig:
     def validate(self) -> None:
         if not isinstance(self.text, str) or not self.text:
             raise ConfigError(f"quality.text={_show(self.text)}: name a held-out text (evals/data/)")
-        check_int("quality.window", self.window, 2)
-        check_int("quality.max_tokens", self.max_tokens, 2)
+        check_int("quality.window", self.window, 2, MAX_TOKENS)
+        check_int("quality.max_tokens", self.max_tokens, 2, MAX_QUALITY_TOKENS)
         if _is_int(self.chunk) and self.chunk < 0:
             raise ConfigError(
                 f"quality.chunk={self.chunk}: use a positive number of tokens, or 0 for one prefill"
             )
-        check_int("quality.chunk", self.chunk, 0)
+        check_int("quality.chunk", self.chunk, 0, MAX_TOKENS)

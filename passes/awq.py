@@ -65,8 +65,8 @@ from passes.int4 import (
     input_hooks,
     run_layer,
 )
+from pipeline.core.config import MAX_REPEATS, MAX_SAMPLES, check_int
 from pipeline.core.distributed import Group
-from pipeline.core.errors import ConfigError
 from pipeline.core.torch_model import LM_HEAD
 
 log = logging.getLogger(__name__)
@@ -107,14 +107,14 @@ class AwqConfig(TorchInt4Config):
         validate_awq(self)
 
 
+MAX_SKETCH_ROWS = 1 << 16  # rows of the error sketch: past the exact Gram matrix of any width
+
+
 def validate_awq(config: Any) -> None:
     config.objective = Objective(config.objective)
-    if config.grid < 1:
-        raise ConfigError(f"quant.grid={config.grid}: at least one candidate scale is needed")
-    if config.search_samples < 0:
-        raise ConfigError(f"quant.search_samples={config.search_samples}: must be >= 0 (0: all windows)")
-    if config.sketch_rows < 0:
-        raise ConfigError(f"quant.sketch_rows={config.sketch_rows}: must be >= 0 (0: the exact Gram matrix)")
+    check_int("quant.grid", config.grid, 1, MAX_REPEATS)  # candidate scales
+    check_int("quant.search_samples", config.search_samples, 0, MAX_SAMPLES)  # 0: all windows
+    check_int("quant.sketch_rows", config.sketch_rows, 0, MAX_SKETCH_ROWS)  # 0: the exact Gram matrix
 
 
 def fold_scales(prev: Any, linears: list[Any], scales: Any) -> None:

@@ -167,7 +167,7 @@ class ExportPass(Pass):
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         import onnx_ir as ir
 
-        from pipeline.core.graph_io import save_graph
+        from pipeline.core.graph_io import save_graph, writing
 
         with phases("export", 3) as start:
             start("trace the weightless model")
@@ -187,11 +187,13 @@ class ExportPass(Pass):
             )
         for name in CARRIED_FILES:
             if (source.path / name).is_file():
-                shutil.copy2(source.path / name, out_dir / name)
+                with writing(out_dir / name, f"{name}, carried with the graph from {source.path}"):
+                    shutil.copy2(source.path / name, out_dir / name)
         if (source.path / EXTRAS_DIR).is_dir():  # side data of torch-stage passes for graph passes
             # hard links, not a copy: AWQ's and GPTQ's extras/int4 are 0.18x the fp32 weights
-            (out_dir / EXTRAS_DIR).mkdir()
-            link_tree(source.path / EXTRAS_DIR, out_dir / EXTRAS_DIR)
+            with writing(out_dir / EXTRAS_DIR, f"the side data of the torch passes ({EXTRAS_DIR}/)"):
+                (out_dir / EXTRAS_DIR).mkdir()
+                link_tree(source.path / EXTRAS_DIR, out_dir / EXTRAS_DIR)
         hf_config = json.loads((source.path / "config.json").read_text())
         gen_path = source.path / "generation_config.json"
         generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}

@@ -28,7 +28,7 @@ from typing import Any
 
 from pipeline.core.artifacts import Artifact, Kind, read_metadata, write_metadata
 from pipeline.core.base import Pass
-from pipeline.core.config import register_pass
+from pipeline.core.config import check_number, register_pass
 from pipeline.core.errors import PassError
 from pipeline.core.graph_io import check_data_files, link_folder_files, load_proto, save_graph
 from pipeline.runtime.parity import PARITY_PROMPT_TEXT, compare_graphs
@@ -43,6 +43,9 @@ class Fp16Config:
     # The pass fails when the fp16 graph's greedy token differs from the fp32 graph's on more
     # positions of a fixed prompt.
     min_top1_agreement: float = 0.9
+
+    def validate(self) -> None:
+        check_number("quant.min_top1_agreement", self.min_top1_agreement, low=0, high=1)
 
 
 register_pass("quant", "fp16", Fp16Config)

@@ -52,6 +52,8 @@ import numpy as np
 from calibration.datasets import (
     CalibrationConfig,
     calibration_feeds,
+    check_context,
+    check_windows,
     recorded,
     shard,
     token_windows,
@@ -60,6 +62,7 @@ from calibration.observers import DEFAULT_BINS, FP8_E4M3, Observer, TensorStats,
 from passes.selection import check_patterns, select_modules
 from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
 from pipeline.core.base import Pass
+from pipeline.core.config import check_int, check_number
 from pipeline.core.distributed import CalibratesInRanks, Group
 from pipeline.core.engine import graph_io
 from pipeline.core.errors import CalibrationError, PassError
@@ -132,6 +135,24 @@ def load_stats(folder: Path) -> dict[str, TensorStats]:
     return {name: TensorStats.from_dict(entry) for name, entry in data["tensors"].items()}
 
 
+MAX_BINS = 1 << 20  # histogram bins a tensor (grown as needed from DEFAULT_BINS)
+
+
+def validate_fp8(config: Any, where: str = "quant") -> None:
+    """The FP8 knobs that need no model (each config that has them): the observer's percentile,
+    the histogram bins, the parity guard and the opset the recipe needs."""
+    if hasattr(config, "percentile"):
+        check_number(f"{where}.percentile", config.percentile, above=0, high=100)
+    if hasattr(config, "num_bins"):
+        check_int(f"{where}.num_bins", config.num_bins, 2, MAX_BINS)
+    if hasattr(config, "min_top1_agreement"):
+        check_number(f"{where}.min_top1_agreement", config.min_top1_agreement, low=0, high=1)
+    if hasattr(config, "min_opset"):
+        check_int(f"{where}.min_opset", config.min_opset, MIN_OPSET, 23)
+    if hasattr(config, "calibration") and getattr(config, "activations", True):
+        check_windows(config.calibration, f"{where}.calibration")
+
+
 # --- pass 1: calibration ------------------------------------------------------------------------
 
 
@@ -143,6 +164,9 @@ class CalibrateConfig:
     # Opset the recipe will need, checked before the (long) calibration run.
     min_opset: int = MIN_OPSET
     recipe: str = "quant=fp8"
+
+    def validate(self) -> None:
+        validate_fp8(self)
 
 
 class CalibratePass(CalibratesInRanks, Pass):
@@ -157,6 +181,7 @@ class CalibratePass(CalibratesInRanks, Pass):
 
     def check_model(self, facts: PlannedModel) -> PlannedModel:
         check_opset_value(facts.opset, self.config.min_opset, self.config.recipe)
+        check_context(self.config.calibration, facts, f"{self.config_group or 'quant'}.calibration")
         return facts
 
     def requires(self, source: Artifact) -> None:
@@ -256,6 +281,9 @@ class Fp8QdqConfig:
     activations: bool = True
     exclude: list[str] = field(default_factory=lambda: ["lm_head"])
     min_top1_agreement: float = 0.5
+
+    def validate(self) -> None:
+        validate_fp8(self)
 
 
 class Fp8QdqPass(Pass):

@@ -49,7 +49,7 @@ class GptqConfig(TorchInt4Config):
 
     def validate(self) -> None:
         super().validate()
-        if not 0 <= self.damp_percent <= 1:
+        if not isinstance(self.damp_percent, int | float) or not 0 <= self.damp_percent <= 1:
             raise ConfigError(f"quant.damp_percent={self.damp_percent}: must be between 0 and 1")
 
 

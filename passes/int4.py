@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, shard
+from calibration.datasets import CalibrationConfig, check_context, shard
 from calibration.streaming import ForwardTime, LayerInputs, capture_first_block_inputs
 from passes.export import EXTRAS_DIR  # export copies extras/ into the graph artifact
 from passes.formats.int4 import (
@@ -207,6 +207,7 @@ class TorchInt4Pass(CalibratesInRanks, Pass):
         # Every candidate layer: the sensitivity fallback, known only once it ran, can only keep
         # some of them out of INT4.
         self._select({name: shape[0] for name, shape in facts.linears.items()}, None)
+        check_context(self.config.calibration, facts, f"{self.config_group or 'quant'}.calibration")
         return facts
 
     def requires(self, source: Artifact) -> None:

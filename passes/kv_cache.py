@@ -41,10 +41,17 @@ from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, calibration_feeds, recorded, token_windows
+from calibration.datasets import (
+    CalibrationConfig,
+    calibration_feeds,
+    check_context,
+    check_windows,
+    recorded,
+    token_windows,
+)
 from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
 from pipeline.core.base import Pass
-from pipeline.core.config import register_pass
+from pipeline.core.config import MAX_TOKENS, _is_int, register_pass
 from pipeline.core.errors import PassError
 from pipeline.core.graph_io import check_data_files, link_graph_folder
 from pipeline.core.planned_model import PlannedModel
@@ -69,6 +76,8 @@ class Fp8Scale(enum.StrEnum):
     head = "head"
     tensor = "tensor"
 
+
+MAX_PAGED_BLOCK = 4096  # tokens a page: TensorRT-LLM's blocks are 16-128
 
 # Where the int8 calibration keeps its per-layer, per-head, per-channel amax (graph folder).
 AMAX_FILE = "kv_cache_amax.npz"
@@ -97,10 +106,18 @@ class KvCacheConfig:
     calibration: CalibrationConfig = field(default_factory=_kv_calibration)
 
     def validate(self) -> None:
-        if self.window < 0 or self.window == 1:
-            raise PassError(f"kv_cache.window={self.window}: use 0 (unbounded) or at least 2 positions")
-        if self.paged_block_size < 0:
-            raise PassError(f"kv_cache.paged_block_size={self.paged_block_size} must be >= 0")
+        if not _is_int(self.window) or self.window < 0 or self.window == 1 or self.window > MAX_TOKENS:
+            raise PassError(
+                f"kv_cache.window={self.window}: use 0 (unbounded) or from 2 to {MAX_TOKENS} positions "
+                "(at most the model's context)"
+            )
+        if not _is_int(self.paged_block_size) or not 0 <= self.paged_block_size <= MAX_PAGED_BLOCK:
+            raise PassError(
+                f"kv_cache.paged_block_size={self.paged_block_size}: must be from 0 to {MAX_PAGED_BLOCK} "
+                "tokens"
+            )
+        if self.dtype in (KvDtype.int8, KvDtype.fp8):
+            check_windows(self.calibration, "kv_cache.calibration")
         if self.dtype == KvDtype.fp8 and self.layout == Layout.shared:
             raise PassError(
                 "kv_cache.dtype=fp8 needs layout=concat: the fp8 cache is Q/DQ between past and present, "
@@ -148,6 +165,18 @@ class KvCachePass(Pass):
     def check_model(self, facts: PlannedModel) -> PlannedModel:
         if facts.fusion is not None:
             raise PassError(ALREADY_FUSED.format(name=self.name))
+        context = facts.config.get("max_position_embeddings")
+        if _is_int(context) and context > 0:
+            for name in ("window", "paged_block_size"):
+                value = getattr(self.config, name)
+                if value > context:
+                    raise PassError(
+                        f"kv_cache.{name}={value}: more positions than the model's context of {context} "
+                        f"tokens (max_position_embeddings); set kv_cache.{name} to at most {context}"
+                        + (" or 0 (unbounded)" if name == "window" else "")
+                    )
+        if self.config.dtype in (KvDtype.int8, KvDtype.fp8):
+            check_context(self.config.calibration, facts, "kv_cache.calibration")
         return facts.replace(kv_cache=self.layout())
 
     def requires(self, source: Artifact) -> None:

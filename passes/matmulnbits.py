@@ -46,6 +46,7 @@ from passes.int4 import EXTRAS_DIR, Int4LoweringSettings, Int4Settings, Lowering
 from passes.selection import select_modules
 from pipeline.core.artifacts import Artifact, Kind, read_metadata, write_metadata
 from pipeline.core.base import Pass
+from pipeline.core.config import check_number
 from pipeline.core.errors import PassError
 from pipeline.core.graph_io import (
     DATA_FILE,
@@ -74,6 +75,7 @@ class Int4LoweringConfig(Int4Settings, Int4LoweringSettings):
     def validate(self) -> None:
         self.lowering = Lowering(self.lowering)
         validate_settings(self)
+        check_number("quant.min_top1_agreement", self.min_top1_agreement, low=0, high=1)
 
 
 class Int4LoweringPass(Pass):

@@ -43,10 +43,10 @@ from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, token_windows
+from calibration.datasets import CalibrationConfig, check_context, check_windows, token_windows
 from pipeline.core.artifacts import Artifact, Kind, write_metadata
 from pipeline.core.base import Pass
-from pipeline.core.config import register_pass
+from pipeline.core.config import MAX_BATCH, register_pass
 from pipeline.core.errors import PassError
 from pipeline.core.planned_model import PlannedModel
 
@@ -73,8 +73,9 @@ class PruneConfig:
             _check_ratio(name, value)
         if not any(ratios.values()):
             raise PassError("prune: every ratio is 0, nothing to prune; use prune=none or set a ratio")
-        if self.batch_size < 1:
-            raise PassError(f"prune.batch_size={self.batch_size}: must be at least 1")
+        if not isinstance(self.batch_size, int) or not 1 <= self.batch_size <= MAX_BATCH:
+            raise PassError(f"prune.batch_size={self.batch_size}: must be from 1 to {MAX_BATCH}")
+        check_windows(self.calibration, "prune.calibration")
 
 
 register_pass("prune", "prune", PruneConfig)
@@ -357,6 +358,7 @@ class PrunePass(Pass):
         hf = dict(facts.config)
         if hf.get("model_type") != "llama":
             raise PassError(f"prune: model_type is {hf.get('model_type')!r}; prune handles Llama models only")
+        check_context(self.config.calibration, facts, f"{self.config_group or 'prune'}.calibration")
         target = target_shape(Shape.of(hf), self.config)
         # Which layers the ranking keeps is known only once it ran; the facts need only how many.
         return facts.replace(config=pruned_config(hf, target, list(range(target.layers))), teacher=hf)

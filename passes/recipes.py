@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 
 from calibration.datasets import CalibrationConfig
 from calibration.observers import DEFAULT_BINS, Observer
-from passes.awq import AwqPass, Objective
-from passes.fp8 import CalibratePass, Fp8QdqPass, WeightObserver
+from passes.awq import AwqPass, Objective, validate_awq
+from passes.fp8 import CalibratePass, Fp8QdqPass, WeightObserver, validate_fp8
 from passes.gptq import GptqPass
 from passes.int4 import Int4LoweringSettings, Int4Settings, TorchInt4Pass, validate_settings
 from passes.int8 import DEFAULT_WEIGHT_ONLY, Int8QDQPass
@@ -25,7 +25,7 @@ from passes.sensitivity import FallbackSettings, WeightFormat, sensitivity_pass
 from passes.smoothquant import SmoothQuantPass
 from passes.smoothquant import validate as validate_smoothquant
 from pipeline.core.base import Pass, Recipe
-from pipeline.core.config import register_pass
+from pipeline.core.config import check_number, register_pass
 
 # --------------------------------------------------------------------------------------------
 # INT4 weight-only: a torch algorithm (GPTQ or AWQ), then the lowering of its weights in the graph
@@ -76,6 +76,10 @@ class Int4GptqConfig(Int4RecipeConfig):
     damp_percent: float = 0.01
     act_order: bool = True
 
+    def validate(self) -> None:
+        super().validate()
+        check_number("quant.damp_percent", self.damp_percent, low=0, high=1)
+
 
 register_pass("quant", "int4_gptq", Int4GptqConfig)
 
@@ -96,6 +100,10 @@ class Int4AwqConfig(Int4RecipeConfig):
     search_samples: int = 16
     sketch_rows: int = 1024
     clip: bool = True
+
+    def validate(self) -> None:
+        super().validate()
+        validate_awq(self)
 
 
 register_pass("quant", "int4_awq", Int4AwqConfig)
@@ -206,6 +214,10 @@ class Fp8Config(FallbackSettings):
     # The pass fails when the quantized graph's greedy token differs from the input graph's on
     # more positions of a fixed prompt: a guard against broken graphs, not a quality gate.
     min_top1_agreement: float = 0.5
+
+    def validate(self) -> None:
+        super().validate()  # FallbackSettings
+        validate_fp8(self)
 
 
 register_pass("quant", "fp8", Fp8Config)

@@ -46,11 +46,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from calibration.datasets import CalibrationConfig
+from calibration.datasets import CalibrationConfig, check_context
 from calibration.sensitivity import FallbackResult, LayerQuantizer, SensitivityProbe
 from passes.selection import FALLBACK_FILE, select_modules
 from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, link_tree, write_json, write_metadata
 from pipeline.core.base import Pass
+from pipeline.core.config import MAX_BATCH, MAX_REPEATS, MAX_TOKENS, check_int
 from pipeline.core.errors import CalibrationError, ConfigError
 from pipeline.core.memory import ModelShapes
 from pipeline.core.planned_model import PlannedModel
@@ -122,6 +123,9 @@ def scans(config: Any) -> bool:
     return Fallback(config.fallback) == Fallback.auto if enabled is None else bool(enabled)
 
 
+MAX_FALLBACK_LAYERS = 100_000  # more linears than any model has
+
+
 def validate_fallback(config: Any) -> None:
     """One-line ConfigErrors for the shared knobs (Recipe.passes() calls it before anything runs)."""
     sensitivity = config.sensitivity
@@ -129,16 +133,22 @@ def validate_fallback(config: Any) -> None:
         raise ConfigError(f"quant.sensitivity.num_samples={sensitivity.num_samples}: at least one window")
     if sensitivity.seq_len < 2:
         raise ConfigError(f"quant.sensitivity.seq_len={sensitivity.seq_len}: must be at least 2")
+    check_int("quant.sensitivity.num_samples", sensitivity.num_samples, 1, MAX_BATCH)
+    check_int("quant.sensitivity.seq_len", sensitivity.seq_len, 2, MAX_TOKENS)  # and the model's context
     if sensitivity.method not in set(Method):
         raise ConfigError(f"quant.sensitivity.method={sensitivity.method}: must be one of {METHODS}")
     if sensitivity.fisher_samples < 1:
         raise ConfigError(
             f"quant.sensitivity.fisher_samples={sensitivity.fisher_samples}: must be at least 1"
         )
-    if not (math.isfinite(config.kl_budget) and config.kl_budget > 0):
+    check_int("quant.sensitivity.fisher_samples", sensitivity.fisher_samples, 1, MAX_REPEATS)
+    if not (
+        isinstance(config.kl_budget, int | float) and math.isfinite(config.kl_budget) and config.kl_budget > 0
+    ):
         raise ConfigError(f"quant.kl_budget={config.kl_budget}: must be a positive number (nats)")
     if config.max_fallback_layers < 1:
         raise ConfigError(f"quant.max_fallback_layers={config.max_fallback_layers}: must be at least 1")
+    check_int("quant.max_fallback_layers", config.max_fallback_layers, 1, MAX_FALLBACK_LAYERS)
     if Fallback(config.fallback) == Fallback.auto and sensitivity.enabled is False:
         raise ConfigError(
             "quant.fallback=auto needs the sensitivity scan: set quant.sensitivity.enabled=true"
@@ -268,6 +278,7 @@ class SensitivityPass(Pass):
         selected = select_modules(facts.linears, self.config.exclude)
         if self.config.weight == WeightFormat.int4:
             check_group_size(self.config.group_size, {n: facts.linears[n][0] for n in selected})
+        check_context(self.config.sensitivity, facts, f"{self.config_group or 'quant'}.sensitivity")
         return facts
 
     def probe(

@@ -57,11 +57,12 @@ from typing import Any
 
 import numpy as np
 
-from calibration.datasets import CalibrationConfig, recorded, shard, token_windows
+from calibration.datasets import CalibrationConfig, check_context, recorded, shard, token_windows
 from calibration.streaming import ForwardTime
 from passes.selection import check_patterns, matches
 from pipeline.core.artifacts import Artifact, Kind, write_json, write_metadata
 from pipeline.core.base import Pass
+from pipeline.core.config import MAX_BATCH, check_number
 from pipeline.core.distributed import CalibratesInRanks, Group
 from pipeline.core.errors import CalibrationError, PassError
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
@@ -120,8 +121,9 @@ def validate(config: Any, where: str = "quant") -> None:
         )
     if calibration.seq_len < 2:
         raise CalibrationError(f"{where}.calibration.seq_len={calibration.seq_len}: must be at least 2")
-    if config.batch_size < 1:
-        raise PassError(f"{where}.batch_size={config.batch_size}: must be at least 1")
+    if not isinstance(config.batch_size, int) or not 1 <= config.batch_size <= MAX_BATCH:
+        raise PassError(f"{where}.batch_size={config.batch_size}: must be from 1 to {MAX_BATCH}")
+    check_number(f"{where}.parity_tolerance", getattr(config, "parity_tolerance", 0.0), low=0, high=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,6 +525,7 @@ class SmoothQuantPass(CalibratesInRanks, Pass):
                 f"smoothquant: model_type is {model_type!r}; quant=int8 smooths Llama models only"
             )
         check_patterns(facts.linears, self.config.exclude)
+        check_context(self.config.calibration, facts, f"{self.config_group or 'quant'}.calibration")
         check_patterns(facts.linears, self.config.weight_only, "quant.weight_only")
         return facts
 

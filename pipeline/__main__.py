@@ -20,6 +20,15 @@ code (``pipeline/nightly.py``).
 call. Errors raised once the job runs are the job's own (``run`` reports them); anything else
 escaping the job is a bug and keeps Hydra's traceback. ``HYDRA_FULL_ERROR=1`` shows Hydra's
 original report.
+
+Recipe files are untrusted input, the command line is not: every config file Hydra reads from
+outside ``configs/`` (a ``--config-dir``, a ``--config-path``, a search-path folder) is checked as
+it is composed, before Hydra instantiates a callback, a launcher, a sweeper or the logging config
+(``pipeline.config.check_recipe_file``): ``hydra.callbacks`` beyond ours, ``hydra.job.env_set``,
+a launcher or sweeper we do not ship (or an object hidden below one, or a launcher's setup
+commands), ``hydra.searchpath``, ``hydra.overrides``, sweep params that set ``hydra.*``, and
+logging config that calls or imports code are each refused in one line naming the file (exit 2).
+The same settings given as overrides on the command line are the operator's and are allowed.
 """
 
 from __future__ import annotations
@@ -53,7 +62,11 @@ from pipeline.config import (
     QualityConfig,
     RegistryConfig,
     check_group_choices,
+    check_primary_searchpath,
+    check_recipe_file,
     register_pipeline_schemas,
+    source_file,
+    trusted_source,
     validate_config,
 )
 from pipeline.core.errors import ConfigError, PipelineError, describe_os_error, first_line, one_line
@@ -279,10 +292,45 @@ def _hydra_errors_as_one_line() -> Iterator[None]:
     hydra_utils.run_and_report = run_and_report
     ConfigLoaderImpl.get_group_options = group_options  # type: ignore[method-assign]
     try:
-        yield
+        with _recipe_files_checked():
+            yield
     finally:
         hydra_utils.run_and_report = original
         ConfigLoaderImpl.get_group_options = options  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _recipe_files_checked() -> Iterator[None]:
+    """Check every config file Hydra reads from outside ``configs/`` (a ``--config-dir``, a
+    ``--config-path``) as it is composed (``pipeline.config.check_recipe_file``): Hydra composes
+    the whole configuration, of the run and of each job of a multirun, before it instantiates
+    a callback, the launcher, the sweeper or the logging config, so a refused file stops the
+    command before anything it names runs. The command line is trusted operator input: its
+    overrides are applied after composition and are not checked here."""
+    load = ConfigLoaderImpl._load_single_config
+    searchpath = ConfigLoaderImpl._process_config_searchpath
+
+    def load_single(self: ConfigLoaderImpl, default: Any, repo: Any) -> Any:
+        result = load(self, default, repo)
+        if not trusted_source(result.path):
+            check_recipe_file(source_file(result.path, default.config_path), result.config)
+        return result
+
+    def process_searchpath(self: ConfigLoaderImpl, config_name: Any, overrides: Any, repo: Any) -> Any:
+        given = any(o.get_key_element() == "hydra.searchpath" for o in overrides)
+        if config_name is not None and not given:
+            primary = repo.load_config(config_path=config_name)
+            if primary is not None:
+                check_primary_searchpath(primary.path, config_name, primary.config)
+        return searchpath(self, config_name, overrides, repo)
+
+    ConfigLoaderImpl._load_single_config = load_single  # type: ignore[method-assign]
+    ConfigLoaderImpl._process_config_searchpath = process_searchpath  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ConfigLoaderImpl._load_single_config = load  # type: ignore[method-assign]
+        ConfigLoaderImpl._process_config_searchpath = searchpath  # type: ignore[method-assign]
 
 
 def _reraise(exc: BaseException) -> NoReturn:

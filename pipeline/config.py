@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from evals.config import QualityConfig
 from pipeline.core.config import (
+    MAX_BATCH,
+    MAX_REPEATS,
+    MAX_SAMPLES,
+    MAX_SEED,
+    MAX_THREADS,
+    MAX_TOKENS,
     _is_int,
     _show,
     check_int,
@@ -89,10 +96,20 @@ class PipelineSettings:
         for name in ("cache_dir", "models_dir"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise ConfigError(f"pipeline.{name}={_show(getattr(self, name))}: name a folder")
-        check_number("pipeline.staging_max_age_h", self.staging_max_age_h, above=0, optional=True)
-        check_number("pipeline.max_memory_gib", self.max_memory_gib, above=0, optional=True)
+        check_number(
+            "pipeline.staging_max_age_h", self.staging_max_age_h, above=0, high=MAX_AGE_H, optional=True
+        )
+        check_number(
+            "pipeline.max_memory_gib", self.max_memory_gib, above=0, high=MAX_MEMORY_GIB, optional=True
+        )
         check_device(self.device)
         check_dtype(self.torch_dtype)
+
+
+MAX_AGE_H = 24.0 * 366  # a year: staging older than that is never live work
+MAX_MEMORY_GIB = float(1 << 16)  # 64 TiB: more memory than one machine has
+MAX_TIMEOUT_S = 7 * 86400  # a week
+MAX_SPECULATIVE_K = 32  # draft tokens a round: acceptance falls off long before
 
 
 @dataclass
@@ -119,21 +136,22 @@ class ServingBenchConfig:
 
     def validate(self) -> None:
         where = "bench.serving"
-        check_int(f"{where}.requests", self.requests, 1)
+        check_int(f"{where}.requests", self.requests, 1, MAX_SAMPLES)
         if not self.concurrency:
             raise ConfigError(f"{where}.concurrency=[]: give at least one concurrency, e.g. [1,2,4,8]")
-        check_ints(f"{where}.concurrency", self.concurrency, 1)
+        check_ints(f"{where}.concurrency", self.concurrency, 1, MAX_BATCH)
         for name in ("prompt_lengths", "output_lengths"):
             values = getattr(self, name)
-            check_ints(f"{where}.{name}", values, 1, count=2)
+            check_ints(f"{where}.{name}", values, 1, MAX_TOKENS, count=2)
             if values[0] > values[1]:
                 raise ConfigError(f"{where}.{name}={_show(values)}: must be [low,high] with low <= high")
-        check_int(f"{where}.warmup", self.warmup, 0)
-        check_int(f"{where}.repeats", self.repeats, 1)
-        check_int(f"{where}.seed", self.seed, 0)
-        for name in ("prefix_tokens", "suffix_tokens", "prefix_block", "prefix_repeats"):
-            check_int(f"{where}.{name}", getattr(self, name), 1)
-        check_int(f"{where}.max_kv_tokens", self.max_kv_tokens, 0)
+        check_int(f"{where}.warmup", self.warmup, 0, MAX_REPEATS)
+        check_int(f"{where}.repeats", self.repeats, 1, MAX_REPEATS)
+        check_int(f"{where}.seed", self.seed, 0, MAX_SEED)
+        for name in ("prefix_tokens", "suffix_tokens", "prefix_block"):
+            check_int(f"{where}.{name}", getattr(self, name), 1, MAX_TOKENS)
+        check_int(f"{where}.prefix_repeats", self.prefix_repeats, 1, MAX_REPEATS)
+        check_int(f"{where}.max_kv_tokens", self.max_kv_tokens, 0, MAX_BATCH * MAX_TOKENS)
 
 
 @dataclass
@@ -165,22 +183,24 @@ class BenchConfig:
     def validate(self) -> None:
         if not isinstance(self.serving, ServingBenchConfig):
             raise ConfigError(f"bench.serving={_show(self.serving)}: must be a mapping of serving settings")
-        check_ints("bench.prompt_lengths", self.prompt_lengths, 1)
-        check_int("bench.decode_tokens", self.decode_tokens, 1)
-        check_int("bench.decode_prompt_length", self.decode_prompt_length, 1)
-        check_int("bench.warmup", self.warmup, 0)
-        check_int("bench.repeats", self.repeats, 1)
-        check_int("bench.batch_size", self.batch_size, 1)
-        check_int("bench.seed", self.seed, 0)
-        check_int("bench.timeout_s", self.timeout_s, 1)
-        check_int("bench.speculative_prompts", self.speculative_prompts, 1)
-        check_int("bench.speculative_prompt_length", self.speculative_prompt_length, 2)
+        check_ints("bench.prompt_lengths", self.prompt_lengths, 1, MAX_TOKENS)
+        check_int("bench.decode_tokens", self.decode_tokens, 1, MAX_TOKENS)
+        check_int("bench.decode_prompt_length", self.decode_prompt_length, 1, MAX_TOKENS)
+        check_int("bench.warmup", self.warmup, 0, MAX_REPEATS)
+        check_int("bench.repeats", self.repeats, 1, MAX_REPEATS)
+        check_int("bench.batch_size", self.batch_size, 1, MAX_BATCH)
+        check_int("bench.seed", self.seed, 0, MAX_SEED)
+        check_int("bench.timeout_s", self.timeout_s, 1, MAX_TIMEOUT_S)
+        check_int("bench.speculative_prompts", self.speculative_prompts, 1, MAX_REPEATS)
+        check_int("bench.speculative_prompt_length", self.speculative_prompt_length, 2, MAX_TOKENS)
 
 
 class Scoring(enum.StrEnum):
     rank = "rank"  # log-likelihood ranking of each item's candidate answers (small models)
     gen = "gen"  # greedy generation scored against the item's target (models that can do the task)
 
+
+MAX_RESAMPLES = 1_000_000  # bootstrap resamples: the CI's third digit settles long before
 
 # The recipe families of the gate's token-level rules, strictest first (evals/drift.py,
 # pipeline.core.base.Pass.drift).
@@ -247,10 +267,10 @@ class EvalConfig:
 
     def validate(self) -> None:
         check_number("eval.confidence", self.confidence, above=0, below=1)
-        check_int("eval.resamples", self.resamples, 1)
-        check_int("eval.limit", self.limit, 1, optional=True)
-        check_int("eval.seed", self.seed, 0)
-        check_int("eval.threads", self.threads, 0)
+        check_int("eval.resamples", self.resamples, 1, MAX_RESAMPLES)
+        check_int("eval.limit", self.limit, 1, MAX_SAMPLES, optional=True)
+        check_int("eval.seed", self.seed, 0, MAX_SEED)
+        check_int("eval.threads", self.threads, 0, MAX_THREADS)
         keys = [(f"eval.drift.{name}", name) for name in dict(self.drift)]
         keys += [(f"eval.family={self.family}", self.family)] if self.family is not None else []
         for key, name in keys:
@@ -263,8 +283,8 @@ class EvalConfig:
             check_number(f"eval.drift.{name}.max_ppl_ratio", get("max_ppl_ratio"), low=0, optional=True)
         for suite, rule in dict(self.thresholds).items():
             get = rule.get if isinstance(rule, dict) else lambda name, r=rule: getattr(r, name, None)
-            check_number(f"eval.thresholds.{suite}.max_drop", get("max_drop"), low=0)
-            check_number(f"eval.thresholds.{suite}.min_recovery", get("min_recovery"), low=0)
+            check_number(f"eval.thresholds.{suite}.max_drop", get("max_drop"), low=0, high=1)
+            check_number(f"eval.thresholds.{suite}.min_recovery", get("min_recovery"), low=0, high=10)
 
 
 @dataclass
@@ -309,6 +329,11 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"speculative.k={_show(self.k)}: the draft proposes at least 1 token a round; "
                 "set speculative.k to 1 or more"
+            )
+        if self.k > MAX_SPECULATIVE_K:
+            raise ConfigError(
+                f"speculative.k={self.k}: at most {MAX_SPECULATIVE_K} draft tokens a round (acceptance "
+                f"falls off long before); set speculative.k from 1 to {MAX_SPECULATIVE_K}"
             )
 
 
@@ -494,3 +519,221 @@ def validate_config(cfg: DictConfig) -> None:
     check_folder("pipeline.models_dir", cfg.pipeline.models_dir)
     if cfg.get("registry") and cfg.registry.get("backend") == "local":
         check_folder("registry.root", cfg.registry.get("root"))
+
+
+# --------------------------------------------------------------------------------------------
+# Recipe files never run code
+
+# What Hydra instantiates from its own config node (callbacks at job start, the launcher and the
+# sweeper of a multirun): only the classes we ship may be named, and by a file only these.
+ALLOWED_CALLBACKS = ("pipeline.cluster.SweepChecks", "pipeline.nightly.SweepStatus")
+ALLOWED_LAUNCHERS = (
+    "hydra._internal.core_plugins.basic_launcher.BasicLauncher",
+    "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher",
+    "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
+    "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",
+    "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher",
+)
+ALLOWED_SWEEPERS = ("hydra._internal.core_plugins.basic_sweeper.BasicSweeper",)
+# Launcher settings that run commands or set a job's environment (submitit's ``setup`` shell
+# lines, Ray's ``runtime_env``, the autoscaler's setup commands): a file may not set them.
+LAUNCHER_CODE_KEYS = ("setup", "runtime_env", "setup_commands", "head_setup_commands")
+LAUNCHER_CODE_KEYS += ("worker_setup_commands", "env_setup", "initialization_commands", "srun_args")
+# Hydra's nodes that it instantiates, turns into overrides, or reads search paths from.
+INSTANTIATED_NODES = ("callbacks", "job", "launcher", "sweeper", "job_logging", "hydra_logging")
+INSTANTIATED_NODES += ("searchpath", "overrides")
+INSTANTIATE_KEYS = ("_target_", "_args_", "_partial_", "_recursive_", "_convert_")
+# Logging config values that import a module (ext://) other than these streams.
+LOGGING_STREAMS = ("ext://sys.stdout", "ext://sys.stderr")
+
+
+def trusted_source(source: str) -> bool:
+    """Whether Hydra config source ``source`` (``file:///...``, ``pkg://...``, ``structured://``)
+    ships with the code: the recipes under ``configs/``, Hydra's and its plugins' packaged
+    configs and the registered schemas. A ``--config-dir``, a ``--config-path`` elsewhere or a
+    search-path folder holds files anyone with write access there may have written."""
+    scheme, _, where = source.partition("://")
+    if scheme in ("pkg", "structured"):
+        return True
+    return scheme == "file" and Path(where).resolve() == CONFIG_DIR.resolve()
+
+
+def source_file(source: str, config_path: str | None) -> str:
+    """The file a config of ``source`` was read from (``/tmp/recipes/quant/mine.yaml``)."""
+    where = source.partition("://")[2] or source
+    if not config_path:
+        return where
+    name = config_path if config_path.endswith((".yaml", ".yml")) else f"{config_path}.yaml"
+    return str(Path(where) / name)
+
+
+def _refuse(file: str, key: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"{file}: {key} {why}; a recipe file never runs code: remove it from the file (the command "
+        "line may set it, as trusted operator input)"
+    )
+
+
+def _instantiate_keys(node: Any, path: str) -> str | None:
+    """The first key through which Hydra's instantiate would build an object, below ``node``."""
+    if isinstance(node, dict):
+        for key, child in node.items():
+            if key in INSTANTIATE_KEYS:
+                return f"{path}.{key}"
+            found = _instantiate_keys(child, f"{path}.{key}")
+            if found:
+                return found
+    elif isinstance(node, list):
+        for index, child in enumerate(node):
+            found = _instantiate_keys(child, f"{path}[{index}]")
+            if found:
+                return found
+    return None
+
+
+def _check_plugin(file: str, key: str, node: Any, allowed: tuple[str, ...]) -> None:
+    if not isinstance(node, dict):
+        return
+    target = node.get("_target_")
+    if target is not None and target not in allowed:
+        raise _refuse(
+            file,
+            f"{key}._target_={target}",
+            f"is not a {key.rsplit('.', 1)[-1]} we ship ({', '.join(allowed)})",
+        )
+    for name, child in node.items():
+        if name != "_target_":
+            if name in INSTANTIATE_KEYS:
+                raise _refuse(file, f"{key}.{name}", "shapes what Hydra instantiates")
+            found = _instantiate_keys(child, f"{key}.{name}")
+            if found:
+                raise _refuse(file, found, "names code for Hydra to instantiate")
+
+
+def _find_keys(node: Any, names: tuple[str, ...], path: str) -> str | None:
+    if isinstance(node, dict):
+        for key, child in node.items():
+            if key in names and child not in (None, [], {}, ""):
+                return f"{path}.{key}"
+            found = _find_keys(child, names, f"{path}.{key}")
+            if found:
+                return found
+    elif isinstance(node, list):
+        for index, child in enumerate(node):
+            found = _find_keys(child, names, f"{path}[{index}]")
+            if found:
+                return found
+    return None
+
+
+def _check_logging(file: str, key: str, node: Any) -> None:
+    """``logging.config.dictConfig`` calls ``()`` factories, imports ``class`` names and resolves
+    ``ext://`` objects: only the standard library's handlers and streams."""
+    if isinstance(node, dict):
+        for name, child in node.items():
+            where = f"{key}.{name}"
+            if name == "()":
+                raise _refuse(file, where, "names a factory for logging to call")
+            if name == "class" and not (isinstance(child, str) and child.startswith("logging.")):
+                raise _refuse(file, f"{where}={child}", "is not a handler or formatter of the logging module")
+            _check_logging(file, where, child)
+    elif isinstance(node, list):
+        for index, child in enumerate(node):
+            _check_logging(file, f"{key}[{index}]", child)
+    elif isinstance(node, str) and node.startswith("ext://") and node not in LOGGING_STREAMS:
+        raise _refuse(file, f"{key}={node}", f"imports code for logging (only {', '.join(LOGGING_STREAMS)})")
+
+
+# Resolvers a file may use inside Hydra's instantiated nodes: they return strings. A reference to
+# another node (``launcher: ${mine}``) or a resolver that builds a node (``oc.create``,
+# ``oc.decode``) could bring an unchecked object in from the app config.
+SAFE_RESOLVERS = ("oc.env", "now", "run_suffix", "launch_dir", "hydra")
+_INTERPOLATION = re.compile(r"\$\{\s*(?:([\w.]+)\s*:)?")
+
+
+def _unsafe_interpolation(node: Any, path: str) -> str | None:
+    """The first value below ``node`` that interpolates a node or an unlisted resolver."""
+    if isinstance(node, dict):
+        for key, child in node.items():
+            found = _unsafe_interpolation(child, f"{path}.{key}")
+            if found:
+                return found
+    elif isinstance(node, list):
+        for index, child in enumerate(node):
+            found = _unsafe_interpolation(child, f"{path}[{index}]")
+            if found:
+                return found
+    elif isinstance(node, str):
+        for match in _INTERPOLATION.finditer(node):
+            if match.group(1) not in SAFE_RESOLVERS:
+                return f"{path}={node}"
+    return None
+
+
+def _hydra_override_key(key: str) -> bool:
+    name = key.lstrip("+~").strip()
+    return name == "hydra" or name.startswith(("hydra.", "hydra/"))
+
+
+def check_recipe_file(file: str, config: Any) -> None:
+    """Refuse, in one line naming ``file``, what in a recipe file (as composed, at its package)
+    would make Hydra run code or change what a job imports: ``hydra.callbacks`` outside
+    :data:`ALLOWED_CALLBACKS`, ``hydra.job.env_set``, a launcher or sweeper ``_target_`` outside
+    :data:`ALLOWED_LAUNCHERS`/:data:`ALLOWED_SWEEPERS` (or any object below them, or a launcher's
+    setup commands), ``hydra.searchpath``, ``hydra.overrides`` and sweeper ``params`` that set
+    Hydra's own config (both become overrides of every job), and logging config that calls or
+    imports code."""
+    if not isinstance(config, DictConfig) or "hydra" not in config:
+        return
+    hydra = config._get_node("hydra")
+    if not isinstance(hydra, DictConfig):  # hydra: ${...} or a plain value
+        raise _refuse(file, "hydra", "must be a mapping of plain settings")
+    node = OmegaConf.to_container(hydra, resolve=False)
+    assert isinstance(node, dict)
+    for name in INSTANTIATED_NODES:
+        found = _unsafe_interpolation(node.get(name), f"hydra.{name}")
+        if found:
+            raise _refuse(
+                file, found, f"interpolates into what Hydra instantiates (only {', '.join(SAFE_RESOLVERS)})"
+            )
+    callbacks = node.get("callbacks")
+    if callbacks:
+        if not isinstance(callbacks, dict):
+            raise _refuse(file, "hydra.callbacks", "names code for Hydra to run at job start")
+        for name, callback in callbacks.items():
+            target = callback.get("_target_") if isinstance(callback, dict) else None
+            if target not in ALLOWED_CALLBACKS or set(callback) != {"_target_"}:
+                raise _refuse(file, f"hydra.callbacks.{name}", "names code for Hydra to run at job start")
+    job = node.get("job")
+    if isinstance(job, dict) and job.get("env_set"):
+        raise _refuse(file, "hydra.job.env_set", "sets the environment of the job and what it imports")
+    if node.get("searchpath"):
+        raise _refuse(file, "hydra.searchpath", "adds config folders (give them with --config-dir)")
+    overrides = node.get("overrides")
+    if isinstance(overrides, dict) and any(overrides.get(k) for k in overrides):
+        raise _refuse(file, "hydra.overrides", "becomes the overrides of every job")
+    _check_plugin(file, "hydra.launcher", node.get("launcher"), ALLOWED_LAUNCHERS)
+    found = _find_keys(node.get("launcher"), LAUNCHER_CODE_KEYS, "hydra.launcher")
+    if found:
+        raise _refuse(file, found, "runs commands or sets the environment where a job runs")
+    sweeper = node.get("sweeper")
+    _check_plugin(file, "hydra.sweeper", sweeper, ALLOWED_SWEEPERS)
+    params = sweeper.get("params") if isinstance(sweeper, dict) else None
+    for key in params or {}:
+        if _hydra_override_key(str(key)):
+            raise _refuse(file, f"hydra.sweeper.params.{key}", "sets Hydra's own config in every job")
+    for name in ("job_logging", "hydra_logging"):
+        _check_logging(file, f"hydra.{name}", node.get(name))
+
+
+def check_primary_searchpath(source: str, config_name: str | None, config: Any) -> None:
+    """A primary config read from a file outside ``configs/`` may not add search-path folders
+    (Hydra reads them, and imports ``pkg://`` ones, before composing)."""
+    if trusted_source(source) or not isinstance(config, DictConfig):
+        return
+    if OmegaConf.select(config, "hydra.searchpath", default=None):
+        raise _refuse(
+            source_file(source, config_name),
+            "hydra.searchpath",
+            "adds config folders (give them with --config-dir)",
+        )

@@ -210,17 +210,24 @@ def load_eval_config(size: str, overrides: list[str]) -> EvalConfig:
     for item in overrides:
         if "=" not in item or not item.split("=", 1)[0].strip():
             raise PipelineError(f"--set {item!r}: write KEY=VALUE, e.g. --set limit=12")
+    base = [OmegaConf.structured(EvalConfig), *parts, data]
+    for item in overrides:  # each on its own first, so that the message names the bad one
+        _build_eval_config(base, [item])
+    return _build_eval_config(base, overrides)
+
+
+def _build_eval_config(base: list[Any], overrides: list[str]) -> EvalConfig:
+    """``base`` with ``overrides`` merged, built and validated; a mistake is one line naming them."""
+    shown = " ".join(overrides)
     try:
-        merged = OmegaConf.merge(
-            OmegaConf.structured(EvalConfig), *parts, data, OmegaConf.from_dotlist(overrides)
-        )
+        merged = OmegaConf.merge(*base, OmegaConf.from_dotlist(overrides))
         config = OmegaConf.to_object(merged)
         validate_tree(config)  # EvalConfig's range checks
     except PipelineError as exc:  # EvalConfig's own range checks (ConfigError)
-        raise PipelineError(f"--set {' '.join(overrides)}: {first_line(exc)}") from None
+        raise PipelineError(f"--set {shown}: {first_line(exc)}") from None
     except Exception as exc:  # omegaconf's validation errors: unknown key, wrong type
         known = f" (keys: {', '.join(EvalConfig.__dataclass_fields__)})" if "Key" in first_line(exc) else ""
-        raise PipelineError(f"--set {' '.join(overrides)}: {first_line(exc)}{known}") from None
+        raise PipelineError(f"--set {shown}: {first_line(exc)}{known}") from None
     assert isinstance(config, EvalConfig)
     return config
 
@@ -277,7 +284,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--candidate", type=Path, required=True, help="engine (or run) folder to judge")
     parser.add_argument("--eval", default="full", help="configs/eval option: quick | full (default full)")
     parser.add_argument(
-        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="eval overrides, e.g. 'suites=[reasoning]'"
+        "--set",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="eval overrides, e.g. 'suites=[reasoning]'; repeat the flag or give several after it",
     )
     parser.add_argument("--cache-dir", type=Path, default=Path("artifacts/cache"), help="score cache")
     parser.add_argument(

@@ -8,10 +8,12 @@ The application's own schemas (model, bench, eval, registry, ...) are in ``pipel
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 from hydra.core.config_store import ConfigStore
@@ -34,25 +36,44 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def check_int(name: str, value: Any, low: int, *, optional: bool = False) -> None:
-    """``name=value`` must be a whole number >= ``low`` (or null when ``optional``)."""
+# Upper bounds shared by many knobs: nothing sensible lies beyond them, and a value past them
+# only turns into an allocation that fails (or a loop that never ends) long after start-up.
+MAX_SEED = 2**32 - 1  # numpy's and torch's seeds
+MAX_TOKENS = 1 << 20  # a sequence length, window or token count: 1M tokens
+MAX_SAMPLES = 1 << 16  # calibration or eval windows, requests
+MAX_BATCH = 1024  # rows per forward, concurrent requests
+MAX_REPEATS = 1000  # repeats, warm-up runs, candidates of a search
+MAX_THREADS = 1024  # thread or process counts
+
+
+def check_int(name: str, value: Any, low: int, high: int | None = None, *, optional: bool = False) -> None:
+    """``name=value`` must be a whole number >= ``low`` and <= ``high`` when given (or null when
+    ``optional``)."""
     if value is None and optional:
         return
+    rule = f"from {low} to {high}" if high is not None else f"of at least {low}"
     if not _is_int(value):
         null = " or null" if optional else ""
-        raise ConfigError(f"{name}={_show(value)}: must be a whole number of at least {low}{null}")
+        raise ConfigError(f"{name}={_show(value)}: must be a whole number {rule}{null}")
     if value < low:
         raise ConfigError(f"{name}={_show(value)}: must be at least {low}")
+    if high is not None and value > high:
+        raise ConfigError(f"{name}={_show(value)}: must be at most {high}")
 
 
-def check_ints(name: str, values: Any, low: int, *, count: int | None = None) -> None:
-    """A list of whole numbers, each >= ``low`` (exactly ``count`` of them when given)."""
+def check_ints(
+    name: str, values: Any, low: int, high: int | None = None, *, count: int | None = None
+) -> None:
+    """A list of whole numbers, each >= ``low`` and <= ``high`` when given (exactly ``count`` of
+    them when given)."""
+    each = f"each from {low} to {high}" if high is not None else f"each at least {low}"
     if not isinstance(values, list | tuple) or (count is not None and len(values) != count):
         what = f"a list of {count} whole numbers" if count else "a list of whole numbers"
-        raise ConfigError(f"{name}={_show(values)}: must be {what}, each at least {low}")
+        raise ConfigError(f"{name}={_show(values)}: must be {what}, {each}")
     for value in values:
-        if not _is_int(value) or value < low:
-            raise ConfigError(f"{name}={_show(values)}: each must be a whole number of at least {low}")
+        if not _is_int(value) or value < low or (high is not None and value > high):
+            rule = f"from {low} to {high}" if high is not None else f"of at least {low}"
+            raise ConfigError(f"{name}={_show(values)}: each must be a whole number {rule}")
 
 
 def check_number(
@@ -79,6 +100,27 @@ def check_number(
     if not ok:
         null = " (or null)" if optional else ""
         raise ConfigError(f"{name}={_show(value)}: must be a number {rule}{null}")
+
+
+_WHERE: contextvars.ContextVar[str] = contextvars.ContextVar("config_where", default="")
+
+
+@contextlib.contextmanager
+def config_where(where: str) -> Iterator[None]:
+    """While a pass config is built from the recipe node at ``where`` (``quant``, ``prune``,
+    ``quant.a``), :func:`knob` names its nested settings from there, so a check in a config shared
+    by many passes (the calibration windows) names the knob as the command line writes it."""
+    token = _WHERE.set(where)
+    try:
+        yield
+    finally:
+        _WHERE.reset(token)
+
+
+def knob(name: str) -> str:
+    """``name`` (``calibration.seq_len``) under the node being built (``quant.calibration.seq_len``)."""
+    where = _WHERE.get()
+    return f"{where}.{name}" if where else name
 
 
 def register_pass(group: str, name: str, node: type) -> None:

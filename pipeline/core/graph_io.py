@@ -32,6 +32,7 @@ load_external_data=False)`` is fine for structure); ONNX Runtime itself loads su
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -327,7 +328,9 @@ def save_graph(
     for base, location in sorted(whole):
         source, target = base / location, out_dir / location
         size = source.stat().st_size
-        if _link_or_copy(source, target):
+        with writing(target, f"the external data of {name}, linked or copied from {source}"):
+            linked = _link_or_copy(source, target)
+        if linked:
             stats.linked_bytes += size
         else:
             stats.copied_bytes += size
@@ -348,14 +351,58 @@ def save_graph(
     names = _shard_names(len(groups), linked_names | {name}, name)
     written: dict[int, Any] = {}
     for group, shard in zip(groups, names, strict=True):
-        for old, new in zip(group, convert_tensors_to_external(group, out_dir, shard), strict=True):
+        size = sum(int(t.nbytes) for t in group) / 2**20
+        with writing(out_dir / shard, f"the external data of {name}: {len(group)} tensors, {size:.1f} MiB"):
+            converted = convert_tensors_to_external(group, out_dir, shard)
+        for old, new in zip(group, converted, strict=True):
             new.__class__ = linked_class
             written[id(old)] = new
         stats.written_bytes += (out_dir / shard).stat().st_size
     _replace_tensors(model, written)
-    ir.save(model, out_dir / name)
+    with writing(out_dir / name, "the ONNX graph"):
+        ir.save(model, out_dir / name)
     stats.data_files = tuple(sorted(linked_names | set(names)))
     return stats
+
+
+@contextlib.contextmanager
+def writing(path: Path, what: str) -> Iterator[None]:
+    """An OSError raised while writing ``path`` names it and says what was being written (the
+    note ``describe_os_error`` shows), with its reason: numpy's and onnx-ir's writers report a
+    full disk as a bare ``OSError("2048 requested and 1024 written")`` with no errno and no
+    path, so a short write is named for what caused it (disk full, or the file size limit)."""
+    try:
+        yield
+    except OSError as exc:
+        error = exc
+        if exc.errno is None:
+            code = _short_write_cause(path)
+            error = OSError(
+                code, os.strerror(code) if code != errno.EIO else f"short write ({exc})", str(path)
+            )
+        elif error.filename is None:
+            error.filename = str(path)
+        error.add_note(f"writing {what}")
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def _short_write_cause(path: Path) -> int:
+    """Why a write to ``path`` stopped short: ENOSPC (no space left), EFBIG (the file reached
+    RLIMIT_FSIZE, ``ulimit -f``) or EIO (neither shows)."""
+    import resource
+
+    try:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and path.stat().st_size >= limit:
+            return errno.EFBIG
+        disk = os.statvfs(path.parent)
+        if disk.f_bavail * disk.f_frsize < (1 << 20):  # what is left would not hold a tensor
+            return errno.ENOSPC
+    except OSError:
+        pass
+    return errno.EIO
 
 
 def _inline_small(model: Any, inline_bytes: int, whole: set[tuple[Path, str]]) -> int:

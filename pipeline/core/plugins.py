@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.core.artifacts import Kind
 from pipeline.core.base import Pass, Recipe
+from pipeline.core.config import config_where
 from pipeline.core.errors import ConfigError
 from pipeline.core.placement import Placement
 
@@ -100,7 +101,8 @@ def build_pass(where: str, node: DictConfig) -> Pass | Recipe:
     assert isinstance(plain, dict)
     check_plain_settings(where, plain)
     settings = {str(key): value for key, value in plain.items() if key != "_target_"}
-    return cls(**settings)
+    with config_where(where):  # nested checks name their knob under the node (quant.calibration...)
+        return cls(**settings)
 
 
 def build_passes(cfg: DictConfig, source_kind: Kind = Kind.TORCH) -> list[Pass]:

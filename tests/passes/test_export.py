@@ -247,3 +247,85 @@ def test_ensures_refuses_an_unreferenced_file(
 def test_export_output_holds_only_referenced_files(tiny_graph: Artifact) -> None:
     assert passes.export.unreferenced_files(tiny_graph.path) == []
     assert passes.export.external_files(tiny_graph.path / MODEL_FILE) == {DATA_FILE}
+
+
+# --------------------------------------------------------------------------------------------
+# A full disk (or the file size limit) while the data is written: the path and what was written
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 100 KiB tmpfs: a real ENOSPC partway through the tiny model's data (needs root and
+    mount; skipped elsewhere)."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=100k", "tmpfs", str(mount)], capture_output=True
+    )
+    if made.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_during_the_data_write_names_the_file(tiny_graph: Artifact, small_disk: Path) -> None:
+    from pipeline.core.errors import describe_os_error
+    from pipeline.core.graph_io import load_graph, save_graph
+
+    out = small_disk / "graph"
+    out.mkdir()
+    model = load_graph(tiny_graph.path)
+    with pytest.raises(OSError) as error:
+        save_graph(model, out, source_dirs=[])  # every tensor written anew
+    line = describe_os_error(error.value)
+    assert line.startswith(f"cannot write {out / DATA_FILE}: No space left on device (disk full"), line
+    assert "(writing the external data of model.onnx: " in line and "OSError" not in line, line
+
+
+def test_a_full_cache_disk_fails_the_export_in_one_line_and_keeps_nothing(
+    tiny_source: Artifact, small_disk: Path
+) -> None:
+    from pipeline.core.errors import StorageError
+    from tests.conftest import run_pass
+
+    with pytest.raises(StorageError) as error:
+        run_pass(ExportPass(), tiny_source, small_disk / "cache")
+    message = str(error.value)
+    assert "No space left on device" in message and "OSError" not in message and "\n" not in message
+    assert error.value.exit_code == 1
+    assert [p.name for p in (small_disk / "cache").iterdir()] == [".staging"]
+    assert list((small_disk / "cache" / ".staging").iterdir()) == []
+
+
+FSIZE_CHILD = """
+import resource, sys
+from pathlib import Path
+from pipeline.core.errors import describe_os_error
+from pipeline.core.graph_io import load_graph, save_graph
+resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
+try:
+    save_graph(load_graph(Path(sys.argv[1])), Path(sys.argv[2]), source_dirs=[])
+except OSError as exc:
+    print(describe_os_error(exc))
+"""
+
+
+def test_the_file_size_limit_during_the_data_write_names_the_file(
+    tiny_graph: Artifact, tmp_path: Path
+) -> None:
+    """``ulimit -f``: a real EFBIG in a child process (the limit is the child's alone)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "graph"
+    out.mkdir()
+    command = [sys.executable, "-c", FSIZE_CHILD, str(tiny_graph.path), str(out)]
+    line = (
+        subprocess.run(command, capture_output=True, text=True, timeout=300).stdout.strip().splitlines()[-1]
+    )
+    assert line.startswith(f"cannot write {out / DATA_FILE}: File too large (the file size limit"), line
+    assert "writing the external data of model.onnx" in line, line

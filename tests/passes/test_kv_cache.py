@@ -14,7 +14,7 @@ from passes.kv_cache import KvCachePass
 from passes.ort_build import OrtCpuBuildPass
 from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.engine import graph_io
-from pipeline.core.errors import EngineError, PassError
+from pipeline.core.errors import EngineError, PassError, PipelineError
 from pipeline.core.graph_io import load_proto
 from pipeline.core.manager import check_against_model
 from pipeline.runtime.generate import GenerationConfig
@@ -141,7 +141,7 @@ def test_an_engine_whose_layout_its_graph_cannot_run_is_refused(
     folder = with_io(tiny_engine, tmp_path / "shared", kv_layout="shared")
     with pytest.raises(EngineError, match="no GroupQueryAttention: rebuild the engine with fusion=ort"):
         Engine(folder)
-    with pytest.raises(EngineError, match="kv_layout 'paged'"):
+    with pytest.raises(EngineError, match=r"""kv_layout[ =]["']paged["']"""):  # engine.json's schema
         Engine(with_io(tiny_engine, tmp_path / "paged", kv_layout="paged"))
 
 
@@ -416,3 +416,49 @@ def test_an_engine_with_a_window_buffer_but_no_window_is_refused(
     folder = with_io(tiny_engine, tmp_path / "engine", kv_capacity=8)
     with pytest.raises(EngineError, match="only a shared layout holds a window"):
         Engine(folder)
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        (
+            {"layout": "shared", "window": 257},
+            "kv_cache.window=257: more positions than the model's context of 256",
+        ),
+        ({"paged_block_size": 512}, "kv_cache.paged_block_size=512: more positions than the model's context"),
+        ({"dtype": "int8", "calibration": {"seq_len": 300}}, "kv_cache.calibration.seq_len=300: longer than"),
+    ],
+)
+def test_knobs_past_the_model_context_are_refused_before_the_pass_runs(
+    tiny_graph: Artifact, tmp_path: Path, config: dict, needle: str
+) -> None:
+    step = KvCachePass(**config)
+    with pytest.raises(PipelineError) as error:
+        check_against_model([step], tiny_graph)
+    assert needle in str(error.value) and "at most 256" in str(error.value), str(error.value)
+    with pytest.raises(PipelineError, match=needle.split(":")[0].replace(".", r"\.")):
+        run_pass(step, tiny_graph, tmp_path / "cache")  # the manager checks before it runs anything
+    assert not any(p for p in (tmp_path / "cache").glob("*") if not p.name.startswith("."))
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        ({"window": 10**8}, "kv_cache.window=100000000: use 0 (unbounded) or from 2 to 1048576"),
+        ({"window": 1}, "kv_cache.window=1: use 0 (unbounded)"),
+        ({"paged_block_size": 10**6}, "kv_cache.paged_block_size=1000000: must be from 0 to 4096"),
+        ({"paged_block_size": -1}, "kv_cache.paged_block_size=-1: must be from 0 to 4096"),
+        (
+            {"dtype": "int8", "calibration": {"num_samples": 0}},
+            "kv_cache.calibration.num_samples=0: at least one",
+        ),
+    ],
+)
+def test_knobs_out_of_range_are_refused_when_built(config: dict, needle: str) -> None:
+    with pytest.raises(PipelineError) as error:
+        KvCachePass(**config)
+    assert needle in str(error.value), str(error.value)
+
+
+def test_a_window_of_the_whole_context_is_accepted(tiny_graph: Artifact) -> None:
+    check_against_model([KvCachePass(layout="shared", window=256, paged_block_size=256)], tiny_graph)

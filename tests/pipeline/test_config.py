@@ -171,3 +171,47 @@ def test_the_eval_gate_carries_drift_bounds_per_family_and_checks_them() -> None
         validate_tree(EvalConfig(drift={"bits8": {"min_top1": 1.5}}))
     with pytest.raises(ConfigError, match=r"eval.family=int3: no such recipe family"):
         validate_tree(EvalConfig(family="int3"))
+
+
+def test_too_little_calibration_text_names_both_knobs_and_their_limits(tiny_llama: Path) -> None:
+    """Windows that do not fit the text: the hint says how far to lower num_samples, and
+    seq_len, each under its own name (a long seq_len used to be blamed on num_samples alone)."""
+    from calibration.datasets import CalibrationConfig, token_windows
+    from pipeline.core.errors import CalibrationError
+    from pipeline.core.torch_model import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_llama)
+    text = "the quick brown fox jumps over the lazy dog " * 40
+    tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    config = CalibrationConfig(num_samples=8, seq_len=tokens // 3)
+    with pytest.raises(CalibrationError) as error:
+        token_windows(tokenizer, config, text=text)
+    message = str(error.value)
+    assert f"quant.calibration.num_samples=8 x quant.calibration.seq_len={tokens // 3}" in message
+    assert "lower quant.calibration.num_samples to at most 3 " in message
+    assert f"or quant.calibration.seq_len to at most {tokens // 8}" in message
+    with pytest.raises(
+        CalibrationError, match=r"shorter than one sequence of kv_cache\.calibration\.seq_len"
+    ):
+        token_windows(
+            tokenizer, CalibrationConfig(seq_len=tokens + 1), text=text, knob="kv_cache.calibration"
+        )
+
+
+def test_calibration_knobs_are_bounded_and_named_where_the_recipe_sets_them() -> None:
+    from calibration.datasets import CalibrationConfig
+    from pipeline.core.config import build_config, config_where
+    from pipeline.core.errors import CalibrationError
+
+    for values, needle in (
+        ({"seq_len": 10**8}, "seq_len=100000000: must be a whole number from 2 to 1048576"),
+        ({"num_samples": 10**7}, "num_samples=10000000: must be a whole number from 1 to 65536"),
+        ({"seed": 2**40}, "seed=1099511627776: must be a whole number from 0 to 4294967295"),
+        ({"num_processes": 0}, "num_processes=0: must be a whole number from 1 to 1024"),
+        ({"collective_timeout_s": float("inf")}, "collective_timeout_s=inf: must be more than 0"),
+    ):
+        with pytest.raises(CalibrationError, match=f"^calibration\\.{needle}"):
+            build_config(CalibrationConfig, values)
+        with config_where("prune"), pytest.raises(CalibrationError, match=f"^prune\\.calibration\\.{needle}"):
+            build_config(CalibrationConfig, values)
+    build_config(CalibrationConfig, {"seq_len": 1 << 20, "num_samples": 1 << 16})  # the bounds themselves

@@ -76,6 +76,26 @@ def assert_one_error_line(result: subprocess.CompletedProcess[str], code: int, n
         ("eval.thresholds.reasoning.max_drop=-0.1", "eval.thresholds.reasoning.max_drop=-0.1"),
         ("speculative.k=0", "speculative.k=0: the draft proposes at least 1 token a round"),
         ("pipeline.staging_max_age_h=0", "pipeline.staging_max_age_h=0.0"),
+        # upper bounds: a value past them is a typo, and would fail (or never end) much later
+        ("bench.repeats=100000", "bench.repeats=100000: must be at most 1000"),
+        ("bench.warmup=5000", "bench.warmup=5000: must be at most 1000"),
+        ("bench.batch_size=100000", "bench.batch_size=100000: must be at most 1024"),
+        ("bench.decode_tokens=100000000", "bench.decode_tokens=100000000: must be at most 1048576"),
+        ("bench.prompt_lengths=[16,100000000]", "each must be a whole number from 1 to 1048576"),
+        ("bench.timeout_s=100000000", "bench.timeout_s=100000000: must be at most 604800"),
+        ("bench.seed=99999999999", "bench.seed=99999999999: must be at most 4294967295"),
+        ("bench.serving.concurrency=[1,100000]", "bench.serving.concurrency=[1,100000]: each must be"),
+        ("bench.serving.requests=10000000", "bench.serving.requests=10000000: must be at most 65536"),
+        ("bench.serving.prefix_repeats=5000", "bench.serving.prefix_repeats=5000: must be at most 1000"),
+        ("quality.window=100000000", "quality.window=100000000: must be at most 1048576"),
+        ("quality.max_tokens=1000000000", "quality.max_tokens=1000000000: must be at most 16777216"),
+        ("eval.resamples=1000000000", "eval.resamples=1000000000: must be at most 1000000"),
+        ("eval.threads=100000", "eval.threads=100000: must be at most 1024"),
+        ("eval.limit=10000000", "eval.limit=10000000: must be at most 65536"),
+        ("eval.thresholds.reasoning.max_drop=2", "eval.thresholds.reasoning.max_drop=2.0"),
+        ("speculative.k=1000", "speculative.k=1000: at most 32 draft tokens a round"),
+        ("pipeline.staging_max_age_h=1e9", "pipeline.staging_max_age_h=1000000000.0"),
+        ("pipeline.max_memory_gib=1e12", "pipeline.max_memory_gib=1000000000000.0"),
     ],
 )
 def test_numbers_out_of_range_are_refused_at_start_up(override: str, needle: str) -> None:
@@ -83,6 +103,58 @@ def test_numbers_out_of_range_are_refused_at_start_up(override: str, needle: str
     with pytest.raises(ConfigError) as error:
         validate_config(cfg)
     assert needle in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (
+            ["quant=int8", "quant.calibration.seq_len=100000000"],
+            "quant.calibration.seq_len=100000000: must be",
+        ),
+        (["quant=int8", "quant.calibration.num_samples=10000000"], "quant.calibration.num_samples=10000000"),
+        (["quant=fp8", "quant.calibration.seed=-1"], "quant.calibration.seed=-1"),
+        (["quant=fp8", "quant.calibration.num_processes=100000"], "quant.calibration.num_processes=100000"),
+        (
+            ["quant=fp8", "quant.calibration.collective_timeout_s=1e9"],
+            "quant.calibration.collective_timeout_s=",
+        ),
+        (
+            ["quant=fp8", "quant.percentile=0"],
+            "quant.percentile=0.0: must be a number more than 0 and at most 100",
+        ),
+        (["quant=fp8", "quant.num_bins=100000000"], "quant.num_bins=100000000: must be at most 1048576"),
+        (["quant=fp8", "quant.min_top1_agreement=2"], "quant.min_top1_agreement=2.0"),
+        (["quant=int4_awq", "quant.grid=100000"], "quant.grid=100000: must be at most 1000"),
+        (["quant=int4_awq", "quant.sketch_rows=10000000"], "quant.sketch_rows=10000000"),
+        (["quant=int4_gptq", "quant.damp_percent=5"], "quant.damp_percent=5.0"),
+        (["quant=int8", "quant.batch_size=100000"], "quant.batch_size=100000: must be from 1 to 1024"),
+        (["quant=int8", "quant.sensitivity.seq_len=100000000"], "quant.sensitivity.seq_len=100000000"),
+        (["quant=int8", "quant.max_fallback_layers=10000000"], "quant.max_fallback_layers=10000000"),
+        (["prune=depth25", "prune.batch_size=100000"], "prune.batch_size=100000: must be from 1 to 1024"),
+        (
+            ["prune=depth25", "prune.calibration.num_samples=0"],
+            "prune.calibration.num_samples=0: at least one",
+        ),
+        (["kv_cache=shared", "kv_cache.window=100000000"], "kv_cache.window=100000000: use 0 (unbounded)"),
+        (["kv_cache=shared", "kv_cache.paged_block_size=100000"], "kv_cache.paged_block_size=100000"),
+        (
+            ["kv_cache=shared", "kv_cache.dtype=int8", "kv_cache.calibration.num_samples=0"],
+            "kv_cache.calibration",
+        ),
+        (["quant=fp16", "quant.min_top1_agreement=-1"], "quant.min_top1_agreement=-1.0"),
+    ],
+)
+def test_pass_knobs_out_of_range_are_refused_when_the_passes_are_built(
+    overrides: list[str], needle: str
+) -> None:
+    """Each names the knob as the command line writes it (``quant.calibration.seq_len``, not
+    ``num_samples``), before anything runs."""
+    from pipeline.core.plugins import build_passes
+
+    with pytest.raises(PipelineError) as error:
+        build_passes(compose_recipe(overrides))
+    assert needle in str(error.value) and "\n" not in str(error.value), str(error.value)
 
 
 def test_the_defaults_and_every_bench_option_pass() -> None:
@@ -402,3 +474,50 @@ def test_every_error_of_ours_is_a_pipeline_error() -> None:
     names = {cls.__qualname__ for cls in ours}
     assert {"GateError", "SuiteError", "LintError", "RegistryError", "EngineError"} <= names
     assert [cls.__qualname__ for cls in ours if not issubclass(cls, PipelineError)] == []
+
+
+# --------------------------------------------------------------------------------------------
+# Knobs bounded by the model's context (max_position_embeddings: 256 for the tiny model)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (
+            ["quant=int8", "quant.calibration.seq_len=300"],
+            "quant.calibration.seq_len=300: longer than the model's context of 256 tokens",
+        ),
+        (
+            ["prune=depth25", "prune.calibration.seq_len=1000"],
+            "prune.calibration.seq_len=1000: longer than the model's context of 256 tokens",
+        ),
+        (
+            ["quant=int8", "quant.sensitivity.enabled=true", "quant.sensitivity.seq_len=512"],
+            "quant.sensitivity.seq_len=512: longer than the model's context of 256 tokens",
+        ),
+        (
+            ["kv_cache=shared", "kv_cache.window=512"],
+            "kv_cache.window=512: more positions than the model's context of 256 tokens",
+        ),
+        (
+            ["kv_cache=concat", "kv_cache.dtype=int8", "kv_cache.calibration.seq_len=257"],
+            "kv_cache.calibration.seq_len=257: longer than the model's context of 256 tokens",
+        ),
+    ],
+)
+def test_knobs_past_the_model_context_stop_the_run_before_any_pass(
+    tmp_path: Path, tiny_llama: Path, overrides: list[str], needle: str
+) -> None:
+    result = cli(
+        tmp_path,
+        f"model.path={tiny_llama}",
+        f"pipeline.cache_dir={tmp_path / 'cache'}",
+        f"pipeline.models_dir={tmp_path / 'models'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "bench=none",
+        *overrides,
+    )
+    assert_one_error_line(result, 2, needle)
+    cache = tmp_path / "cache"
+    entries = [p.name for p in cache.iterdir() if not p.name.startswith(".")] if cache.is_dir() else []
+    assert entries == [], entries  # no pass ran, nothing was cached

@@ -147,6 +147,12 @@ def test_a_folder_without_a_manifest_or_engine_is_one_line(
         (["--set", "limit"], "--set 'limit': write KEY=VALUE"),
         (["--set", "suites=[maths]"], "unknown suite 'maths'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        # every --set is kept and each KEY=VALUE checked: the bad one is named on its own
+        (["--set", "limit=5", "--set", "confidence=1.5"], "--set confidence=1.5: eval.confidence=1.5"),
+        (["--set", "confidence=1.5", "--set", "limit=5"], "--set confidence=1.5: eval.confidence=1.5"),
+        (["--set", "limit=5", "resamples=0", "--set", "seed=1"], "--set resamples=0: eval.resamples=0"),
+        (["--set", "limit=5", "bogus=1"], "--set bogus=1:"),
+        (["--set", "limit=5", "--set"], "--set: expected at least one argument"),
     ],
 )
 def test_gate_settings_mistakes_are_one_line(
@@ -164,6 +170,19 @@ def test_out_of_range_settings_never_build_a_config() -> None:
             load_eval_config("quick", [item])
     config = load_eval_config("quick", ["confidence=0.9", "resamples=100", "limit=5"])
     assert (config.confidence, config.resamples, config.limit) == (0.9, 100, 5)
+
+
+def test_every_set_flag_is_kept(runs: tuple[Path, Path]) -> None:
+    """Repeated ``--set`` flags and several KEY=VALUEs after one all reach the config."""
+    from pipeline.gate import parse_args
+
+    base, cand = runs
+    argv = ["--baseline", str(base), "--candidate", str(cand), "--eval", "quick"]
+    args = parse_args([*argv, "--set", "limit=5", "seed=3", "--set", "resamples=100", "--set", "threads=2"])
+    assert args.set == ["limit=5", "seed=3", "resamples=100", "threads=2"]
+    config = load_eval_config("quick", list(args.set))
+    assert (config.limit, config.seed, config.resamples, config.threads) == (5, 3, 100, 2)
+    assert parse_args(argv).set == []
 
 
 def test_engine_and_run_folder_forms_agree(runs: tuple[Path, Path], tmp_path: Path) -> None:
