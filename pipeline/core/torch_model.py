@@ -10,6 +10,7 @@ from typing import Any
 
 from pipeline.core.artifacts import ARTIFACT_FILE
 from pipeline.core.errors import SourceError
+from pipeline.core.files import read_regular_text, regular_size, walk_regular
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 
 # Readers of a bad checkpoint file raise many types (OSError, ValueError, TypeError, KeyError,
@@ -68,10 +69,21 @@ def load_tokenizer(folder: Path) -> Any:
 def copy_beside_weights(source: Path, out_dir: Path, skip: tuple[str, ...] = ()) -> None:
     """Copy what a checkpoint folder holds besides its weights (tokenizer, templates, extras of
     earlier passes) into ``out_dir``, where a torch pass then writes the weights with
-    ``save_pretrained``; ``artifact.json`` and the names in ``skip`` are left out."""
-    for path in source.iterdir():
-        if path.name == ARTIFACT_FILE or path.name in skip or path.name.endswith(WEIGHT_SUFFIXES):
-            continue
+    ``save_pretrained``; ``artifact.json`` and the names in ``skip`` are left out. Only regular
+    files (or symlinks to them) and real folders are copied: a FIFO, a device (a symlink to
+    ``/dev/zero`` would be copied forever) or a symlinked folder is refused in one line, before
+    anything is copied."""
+    top = [
+        path
+        for path in sorted(source.iterdir())
+        if not (path.name == ARTIFACT_FILE or path.name in skip or path.name.endswith(WEIGHT_SUFFIXES))
+    ]
+    for path in top:  # everything is checked (stat only: nothing blocks) before anything is copied
+        if path.is_dir() and not path.is_symlink():
+            list(walk_regular(path, what="a checkpoint file copied"))
+        else:
+            regular_size(path, what="a checkpoint file copied")
+    for path in top:
         if path.is_dir():
             shutil.copytree(path, out_dir / path.name)
         else:
@@ -89,13 +101,21 @@ def linear_layers(model: Any) -> dict[str, Any]:
 
 
 def meta_model(folder: Path) -> Any:
-    """The model skeleton (no weights) of a checkpoint: module names and shapes, in milliseconds."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The model skeleton (no weights) of a checkpoint: module names and shapes, in milliseconds;
+    the planned model's (its ``config.json`` read bounded, regular files only)."""
+    import json
 
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    from pipeline.core.planned_model import CONFIG_MAX_BYTES, PlannedModel
+
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(read_regular_text(path, max_bytes=CONFIG_MAX_BYTES, what="a config.json"))
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _reason(exc)
+        raise SourceError(f"cannot read {path} ({reason}): re-save or re-download the checkpoint") from None
+    if not isinstance(config, dict):
+        raise SourceError(f"{path} holds no JSON object: re-save or re-download the checkpoint")
+    return PlannedModel(config=config, where=str(path)).skeleton
 
 
 def untie_lm_head(model: Any) -> bool:

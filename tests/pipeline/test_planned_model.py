@@ -130,3 +130,29 @@ def test_a_config_transformers_cannot_build_is_one_line(tiny_llama: Path, tmp_pa
     ) as info:
         broken.linears  # noqa: B018 - the property builds the skeleton
     assert "\n" not in str(info.value)
+
+
+def test_the_skeleton_gives_every_stored_tensor_and_ties_the_head(tiny_llama: Path, tmp_path: Path) -> None:
+    """One meta-device skeleton serves the layers' widths and the tensors a checkpoint stores
+    (the source check compares the safetensors headers with these)."""
+    import torch
+
+    from pipeline.core.torch_model import meta_model
+    from tests.conftest import make_tiny_llama
+
+    facts = PlannedModel.of(Artifact.from_dir(Kind.TORCH, tiny_llama))
+    assert facts is not None
+    tensors = facts.tensors
+    assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)  # 2 KV heads of 16
+    assert tensors["lm_head.weight"].tied == ("model.embed_tokens.weight",)  # tie_word_embeddings
+    assert "model.rotary_emb.inv_freq" not in tensors  # a buffer the checkpoint does not store
+    assert facts.replace(opset=21).__dict__["skeleton"] is facts.skeleton  # built once
+    untied = PlannedModel.of(
+        Artifact.from_dir(Kind.TORCH, make_tiny_llama(tmp_path / "u", tie_word_embeddings=False))
+    )
+    assert untied is not None and untied.tensors["lm_head.weight"].tied == ()
+    skeleton = meta_model(tiny_llama)
+    assert skeleton.lm_head.weight.device == torch.device("meta")
+    with pytest.raises(SourceError, match="cannot read") as error:
+        meta_model(tmp_path / "nowhere")
+    assert "\n" not in str(error.value)

@@ -96,6 +96,9 @@ def test_corrupt_weights_with_valid_header_fail_at_load(checkpoint: Path) -> Non
     with pytest.raises(SourceError) as error:
         load_causal_lm(checkpoint)
     assert "cannot load the checkpoint" in one_line(error)
+    with pytest.raises(SourceError) as error:  # and the source check finds it first, at start-up
+        check_hf_llama(checkpoint)
+    assert "model.embed_tokens.weight' of shape [320, 64], but" in one_line(error)
 
 
 def test_missing_tokenizer(checkpoint: Path) -> None:
