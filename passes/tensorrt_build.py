@@ -60,6 +60,7 @@ from pipeline.core.gpu import require_tensorrt, tensorrt_module
 from pipeline.core.graph_io import link_folder_files
 from pipeline.core.lint import table_disagreements
 from pipeline.core.planned_model import PlannedModel
+from pipeline.core.staging import check_lock_path
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +291,7 @@ def save_timing_cache(path: Path, config: Any) -> str:
     damaged). Then this build's timings replace the file's, with a warning, rather than being
     dropped while the unusable file is written back."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    check_lock_path(Path(str(path) + ".lock"))  # FileLock would follow a planted symlink
     with FileLock(str(path) + ".lock"):
         cache = config.get_timing_cache()
         outcome = "created"

@@ -276,7 +276,12 @@ class Cache:
         if exc.filename is not None and not _under(Path(str(exc.filename)), self.root):
             return None
         if exc.filename is None or _under(Path(str(exc.filename)), self.staging_root):
-            exc = OSError(exc.errno, exc.strerror, f"the cache folder {self.root}")  # what to fix
+            # what to fix is the cache folder; the file's name and what was being written stay
+            name = "" if exc.filename is None else f" ({Path(str(exc.filename)).name})"
+            notes = getattr(exc, "__notes__", [])
+            exc = OSError(exc.errno, exc.strerror, f"the cache folder {self.root}{name}")
+            for note in notes:
+                exc.add_note(note)
         return storage_error(exc, doing, "pipeline.cache_dir")
 
     def commit(self, key: str, staging: Path, kind: Kind, record: dict[str, Any]) -> CacheEntry:

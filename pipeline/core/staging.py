@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.errors import OS_ERROR_FIXES, StorageError
+from pipeline.core.errors import OS_ERROR_FIXES, StorageError, one_line
 from pipeline.core.files import UnsafeFileError, describe_mode
 
 log = logging.getLogger(__name__)
@@ -365,7 +365,8 @@ def storage_error(exc: OSError, doing: str, setting: str = "") -> StorageError |
     where = exc.filename if exc.filename is not None else "?"
     if setting:
         fix = f"{fix} ({setting}=...)"
-    return StorageError(f"{doing}: {where}: {exc.strerror or exc}: {fix}")
+    context = "".join(f" ({one_line(note)})" for note in getattr(exc, "__notes__", []) if str(note).strip())
+    return StorageError(f"{doing}: {where}: {exc.strerror or exc}{context}: {fix}")
 
 
 def write_json_staged(path: Path, data: Any, staging: Path, doing: str, setting: str) -> None:

@@ -57,7 +57,7 @@ from filelock import FileLock, Timeout
 from pipeline.core.artifacts import sha256_file, write_json
 from pipeline.core.errors import PipelineError
 from pipeline.core.files import UnsafeFileError, read_regular_text
-from pipeline.core.staging import owned_folder, remove_abandoned, unique_name
+from pipeline.core.staging import check_lock_path, owned_folder, remove_abandoned, unique_name
 from pipeline.registry.records import (
     ENGINE_DIR,
     RECORD_SCHEMA,
@@ -170,6 +170,7 @@ class LocalRegistry:
     @contextmanager
     def _locked(self) -> Iterator[None]:
         with _writing(f"the registry lock in {self.root}"):
+            check_lock_path(self.root / ".lock")  # FileLock would follow a planted symlink
             lock = FileLock(str(self.root / ".lock"))
             try:
                 lock.acquire(timeout=0)

@@ -296,6 +296,7 @@ def test_a_full_cache_disk_fails_the_export_in_one_line_and_keeps_nothing(
         run_pass(ExportPass(), tiny_source, small_disk / "cache")
     message = str(error.value)
     assert "No space left on device" in message and "OSError" not in message and "\n" not in message
+    assert "model.onnx.data" in message and "writing the external data" in message, message
     assert error.value.exit_code == 1
     assert [p.name for p in (small_disk / "cache").iterdir()] == [".staging"]
     assert list((small_disk / "cache" / ".staging").iterdir()) == []

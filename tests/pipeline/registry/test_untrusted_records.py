@@ -313,3 +313,17 @@ def test_a_malformed_record_through_the_cli(
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert not to.exists()
+
+
+def test_a_symlink_planted_at_the_registry_lock_is_refused_and_never_followed(
+    published: Path, tmp_path: Path, run_factory: Callable[..., Path]
+) -> None:
+    from pipeline.core.files import UnsafeFileError
+
+    target = tmp_path / "outside" / "created-through-the-lock"
+    target.parent.mkdir()
+    (published / ".lock").unlink(missing_ok=True)
+    (published / ".lock").symlink_to(target)
+    with pytest.raises(UnsafeFileError, match=r"\.lock is a symlink"):
+        LocalRegistry(published).publish(run_factory(seed=3), model="llama", recipe="int8")
+    assert not target.exists()
