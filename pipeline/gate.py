@@ -26,7 +26,9 @@ from omegaconf import OmegaConf
 from pipeline.config import DRIFT_FAMILIES, EvalConfig, QualityConfig
 from pipeline.core.artifacts import Artifact, Kind, digest_of, sha256_file, write_json
 from pipeline.core.config import validate_tree
+from pipeline.core.engine import read_engine_spec
 from pipeline.core.errors import EngineError, PipelineError, describe_os_error, first_line
+from pipeline.core.files import read_regular_text
 from pipeline.core.signals import exit_code, interrupt_on_sigterm
 
 GATE_FAILED = 3  # distinct from a user mistake's 2
@@ -103,8 +105,8 @@ def long_context_warning(config: EvalConfig, engine: Path, calibrated: int | Non
     if calibrated is None or "long_context" not in config.suites:
         return None
     try:
-        max_length = int(json.loads((engine / "engine.json").read_text())["max_length"])
-    except (OSError, ValueError, KeyError, TypeError):
+        max_length = read_engine_spec(engine, graphs=False).max_length
+    except (OSError, PipelineError):
         return None
     if calibrated * SHORT_CALIBRATION > max_length:
         return None
@@ -132,8 +134,9 @@ def has_chat_template(engine: Path) -> bool:
     if (engine / "chat_template.jinja").is_file():
         return True
     try:
-        tokenizer_config = json.loads((engine / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
+        text = read_regular_text(engine / "tokenizer_config.json", within=engine, what="a tokenizer config")
+        tokenizer_config = json.loads(text)
+    except (OSError, ValueError, PipelineError):
         return False
     return isinstance(tokenizer_config, dict) and bool(tokenizer_config.get("chat_template"))
 
@@ -249,8 +252,8 @@ def resolve_engine(folder: Path, role: str) -> tuple[Artifact, dict[str, Any]]:
             f"--{role} {engine}: no manifest.json beside it; the gate compares engines of pipeline runs"
         )
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        manifest = json.loads(read_regular_text(manifest_path, what="a run manifest"))
+    except (OSError, UnicodeDecodeError, ValueError, PipelineError) as exc:
         raise EngineError(f"--{role} {manifest_path} is unreadable ({first_line(exc)})") from None
     recorded = manifest.get("engine") if isinstance(manifest, dict) else None
     if not isinstance(recorded, dict):
@@ -259,6 +262,10 @@ def resolve_engine(folder: Path, role: str) -> tuple[Artifact, dict[str, Any]]:
         files = check_files(recorded.get("files"), str(manifest_path))
         digests = check_engine_folder(engine, files, str(manifest_path))
     except RegistryError as exc:
+        raise EngineError(f"--{role}: {exc}") from None
+    try:  # engine.json typed and every path it names confined, before anything is scored
+        read_engine_spec(engine)
+    except EngineError as exc:
         raise EngineError(f"--{role}: {exc}") from None
     return Artifact.from_dir(Kind.ENGINE, engine, digest_of(digests)), manifest
 

@@ -19,6 +19,7 @@ from pipeline.core.artifacts import folder_digest, write_json
 from pipeline.core.errors import EngineError, PipelineError
 from pipeline.gate import load_eval_config, main, resolve_engine
 from pipeline.manifest import engine_files
+from tests.pipeline.registry.conftest import engine_spec, tiny_graph_bytes
 
 
 @pytest.fixture(autouse=True)
@@ -30,11 +31,11 @@ def _keep_sigterm() -> Iterator[None]:
 
 
 def make_engine_run(folder: Path, seed: int = 0) -> Path:
-    """A run folder: ``engine/`` (engine.json, a model file, a tokenizer) and its manifest."""
+    """A run folder: ``engine/`` (a valid engine.json, a real ONNX graph, a tokenizer) and its manifest."""
     engine = folder / "engine"
     (engine / "sub").mkdir(parents=True)
-    (engine / "engine.json").write_text('{"target": "ort-cpu"}\n')
-    (engine / "model.onnx").write_bytes(bytes([seed]) * 1000)
+    write_json(engine / "engine.json", engine_spec())
+    (engine / "model.onnx").write_bytes(tiny_graph_bytes(bytes([seed]) * 1000))
     (engine / "tokenizer.json").write_text('{"vocab": {}}\n')
     (engine / "sub" / "weights.bin").write_bytes(b"w" * 100)
     manifest = {"engine": {"path": "engine", "target": "ort-cpu", "files": engine_files(engine)}}
@@ -216,10 +217,26 @@ def test_a_recipe_calibrated_on_short_windows_warns_when_long_context_is_scored(
 
     configs = [{"alpha": 0.8, "calibration": {"seq_len": 256}}, {"calibration": {"seq_len": 512}}, {}, None]
     assert calibration_length(configs) == 256 and calibration_length([{}, None]) is None
-    (tmp_path / "engine.json").write_text(json.dumps({"max_length": 8192}))
+    engine = make_engine_run(tmp_path / "run") / "engine"
+    write_json(engine / "engine.json", {**engine_spec(), "max_length": 8192})
+    tmp_path = engine
     warning = long_context_warning(EvalConfig(), tmp_path, 256)
     assert warning is not None and "256-token windows, 1/32 of the engine's 8192-token context" in warning
     assert "quant.calibration.seq_len" in warning
     assert long_context_warning(EvalConfig(), tmp_path, 2048) is None  # a quarter of the context
     assert long_context_warning(EvalConfig(suites=["reasoning"]), tmp_path, 256) is None  # not scored
     assert long_context_warning(EvalConfig(), tmp_path, None) is None  # nothing calibrated
+
+
+def test_an_engine_json_field_out_of_range_is_refused_before_scoring(
+    runs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The manifest's digests still match (it is re-recorded), so only the typed reader sees it."""
+    base, cand = runs
+    spec = engine_spec()
+    spec["session"]["intra_op_num_threads"] = "abc"
+    write_json(cand / "engine" / "engine.json", spec)
+    write_json(cand / "manifest.json", {"engine": {"path": "engine", "files": engine_files(cand / "engine")}})
+    code, lines = _gate(capsys, "--baseline", str(base), "--candidate", str(cand))
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: --candidate: ") and "intra_op_num_threads" in lines[0], lines
