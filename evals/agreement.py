@@ -47,7 +47,8 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def _logits(engine: Engine, window: np.ndarray, chunk: int) -> np.ndarray:
-    """The window's logits, fed ``chunk`` tokens a step through the engine's KV cache."""
+    """The window's logits, fed ``chunk`` tokens a step through the engine's KV cache; a one-line
+    error if one is NaN or infinite (a broken engine's score is never recorded, nor cached)."""
     model = engine.model
     cache = model.empty_cache(1)
     step = chunk or len(window)
@@ -58,6 +59,11 @@ def _logits(engine: Engine, window: np.ndarray, chunk: int) -> np.ndarray:
         logits, cache = prompt_step(
             model, ids, np.ones((1, end), np.int64), np.arange(start, end)[None], cache
         )
+        if not np.isfinite(logits).all():
+            raise EngineError(
+                f"quality: the engine {engine.folder} gives non-finite logits at positions {start}-{end - 1} "
+                "of a held-out window: it is broken (a diverged or overflowing pass); rebuild it"
+            )
         pieces.append(logits[0])
     return np.concatenate(pieces)
 
@@ -80,6 +86,7 @@ def compare(candidate: Engine, reference: Engine | None, config: QualityConfig) 
         kl.append(float((np.exp(ref) * (ref - cand)).sum(-1).sum()))
         agree.append(float((ref.argmax(-1) == cand.argmax(-1)).sum()))
     scored = windows.shape[0] * (windows.shape[1] - 1)
+    # Finite logits give finite sums; a perplexity beyond float64 still overflows np.exp (to inf).
     result: dict[str, Any] = {
         "text": config.text,
         "tokens_scored": scored,

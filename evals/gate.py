@@ -20,7 +20,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -134,29 +134,57 @@ def cached_scores(
     key = json.dumps({"engine": digest, "suite": suite, "settings": settings}, sort_keys=True, default=str)
     name = hashlib.sha256(key.encode()).hexdigest()
     path = cache_dir / "eval" / f"{name}.json"
-    scores = _recorded_scores(path, suite, digest)
+    expected = json.loads(key)
+    scores = _recorded_scores(path, suite, digest, expected)
     if scores is not None:
         return scores
     # Jobs sharing the cache (a sweep) score an engine once: the others wait, then read it.
     with computing_once(cache_dir, f"eval-{name}", f"the {suite} scores of {digest[:12]}"):
-        scores = _recorded_scores(path, suite, digest)
+        scores = _recorded_scores(path, suite, digest, expected)
         if scores is None:
             log.info("eval: scoring %s of %s", suite, digest[:12])
             scores = score_fn(engine, suite)
-            write_record(cache_dir, path, {"key": json.loads(key), "items": [asdict(s) for s in scores]})
+            record = {"key": expected, "items": [asdict(s) for s in scores]}
+            problem = scores_problem(json.loads(json.dumps(record)), expected)
+            if problem is not None:  # never cached: it would be read back as broken
+                raise GateError(f"eval suite '{suite}': the scores of {engine} are unusable ({problem})")
+            write_record(cache_dir, path, record)
     return scores
 
 
-def _recorded_scores(path: Path, suite: str, digest: str) -> list[ItemScore] | None:
-    """The scores a record holds, or None (absent, or not fitting: scored again)."""
-    record = load_record(path)  # None when absent; a broken record is removed and rescored
-    if record is None or not isinstance(record.get("items"), list):
+ITEM_FIELDS = {f.name for f in fields(ItemScore)}
+
+
+def scores_problem(record: dict[str, Any], key: Any) -> str | None:
+    """What is wrong with a cached score record for ``key`` (engine, suite, settings), or None:
+    another key, or items that are not ``{id, hash, score}`` with text ids and hashes, each id once,
+    and a finite score in [0, 1]."""
+    if record.get("key") != key:
+        return "it holds the scores of another engine, suite or settings"
+    items = record.get("items")
+    if not isinstance(items, list):
+        return "its items are not a list"
+    ids = set()
+    for index, item in enumerate(items):
+        if not isinstance(item, dict) or set(item) != ITEM_FIELDS:
+            return f"item #{index} is not an object of {', '.join(sorted(ITEM_FIELDS))}"
+        if not (isinstance(item["id"], str) and isinstance(item["hash"], str)):
+            return f"item #{index}'s id or hash is not text"
+        score = item["score"]
+        if isinstance(score, bool) or not isinstance(score, int | float) or not 0.0 <= score <= 1.0:
+            return f"item {item['id']!r} has a score of {score!r}, not a number in [0, 1]"
+        if item["id"] in ids:
+            return f"item {item['id']!r} occurs twice"
+        ids.add(item["id"])
+    return None
+
+
+def _recorded_scores(path: Path, suite: str, digest: str, key: Any) -> list[ItemScore] | None:
+    """The scores a record holds, or None (absent, or not fitting: removed and scored again)."""
+    record = load_record(path, check=lambda record: scores_problem(record, key))
+    if record is None:
         return None
-    try:
-        scores = [ItemScore(**entry) for entry in record["items"]]
-    except TypeError as exc:
-        log.warning("eval: cached scores %s do not fit (%s); scoring again", path.name, exc)
-        return None
+    scores = [ItemScore(**entry) for entry in record["items"]]
     log.info("eval: %s scores of %s from the cache", suite, digest[:12])
     return scores
 

@@ -34,9 +34,15 @@ reached and ends with the same weights as an uninterrupted one. A checkpoint is 
 ``step-NNNNNN`` of safetensors (the student's tensors; AdamW's ``exp_avg``/``exp_avg_sq``/``step``
 per parameter and the RNG state) and ``state.json`` (hyperparameters, schedule, data order, loss
 curve): no pickle, so a checkpoint folder can never run code. It is written in a staging folder
-owned by a lock and renamed into place when complete; the last ``KEEP_CHECKPOINTS`` are kept, and a
-checkpoint that cannot be read back (truncated, bad JSON, other tensor names or shapes) is
-discarded with a warning and the run resumes from the one before (or from the start).
+owned by a lock and renamed into place when complete; the last ``KEEP_CHECKPOINTS`` are kept. A
+checkpoint is untrusted input when read back: every field of ``state.json`` is typed and
+range-checked against this run (``check_state``: the step, the loss curve's points, the seed's data
+order, AdamW's hyperparameters, the schedule's state), its files must be regular ones (no symlink,
+FIFO or device), and its tensors must have the student's names, shapes and dtypes and finite values.
+One that fails (truncated, bad JSON, a field of the wrong type) is discarded with a warning and the
+run resumes from the one before (or from the start). The knobs are range-checked at start-up
+(``LIMITS``), the KD loss of every step must be finite, and the manager refuses a student with a
+non-finite weight: a diverged run is one line, never a cached student.
 Defaults fit the 2-core CPU: see ``configs/distill/kd.yaml`` for the measured budget.
 
 Data parallelism (``launcher="accelerate"``, ``num_processes=N``; ``pipeline/core/distributed.py``):
@@ -53,6 +59,7 @@ strategy and timeout are execution knobs, outside the cache key and the checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -86,6 +93,7 @@ from pipeline.core.distributed import (
     unwrapped,
 )
 from pipeline.core.errors import PassError
+from pipeline.core.files import read_regular_text, regular_size
 from pipeline.core.planned_model import PlannedModel
 from pipeline.core.staging import owned_folder, remove_abandoned, unique_name
 
@@ -143,24 +151,30 @@ class DistillConfig:
     collective_timeout_s: float = 300.0
 
     def validate(self) -> None:
+        """One line naming the first knob of a wrong type or out of its range (``LIMITS``)."""
         config = self
+        for knob, (low, high) in LIMITS.items():
+            value = getattr(config, knob)
+            integral = isinstance(getattr(DistillConfig, knob), int)
+            typed = isinstance(value, int) if integral else isinstance(value, int | float)
+            good = typed and not isinstance(value, bool) and math.isfinite(value)
+            if good:
+                good = (low < value if knob in OPEN_BELOW else low <= value) and (
+                    value < high if knob in OPEN_ABOVE else value <= high
+                )
+            if not good:
+                kind = "an integer" if integral else "a finite number"
+                raise PassError(
+                    f"distill.{knob}={value!r} is out of range: {kind} in "
+                    f"{_interval(knob, low, high)}{LIMIT_HINTS.get(knob, '')}"
+                )
         checks = {
-            "steps": config.steps >= 1,
-            "seq_len": config.seq_len >= 8,
-            "micro_batch_size": config.micro_batch_size >= 1,
-            "batch_size": config.batch_size >= config.micro_batch_size >= 1
+            "batch_size": config.batch_size >= config.micro_batch_size
             and config.batch_size % config.micro_batch_size == 0,
-            "lr": config.lr > 0,
-            "warmup_ratio": 0 <= config.warmup_ratio < 1,
-            "temperature": config.temperature > 0,
-            "hidden_weight": config.hidden_weight >= 0,
-            "checkpoint_every": config.checkpoint_every >= 1,
             "precision": config.precision in PRECISIONS,
             "launcher": config.launcher in LAUNCHERS,
             "strategy": config.strategy in STRATEGIES,
-            "collective_timeout_s": config.collective_timeout_s > 0,
-            "num_processes": config.num_processes >= 1
-            and (config.num_processes == 1 or config.launcher == "accelerate")
+            "num_processes": (config.num_processes == 1 or config.launcher == "accelerate")
             and config.batch_size % (config.num_processes * config.micro_batch_size) == 0,
         }
         checks["dataset"] = config.dataset in DATASETS
@@ -181,6 +195,42 @@ class DistillConfig:
                     ),
                 }.get(knob, "")
                 raise PassError(f"distill.{knob}={getattr(config, knob)!r} is out of range{hint}")
+
+
+# The numeric knobs' closed ranges (``_interval`` shows the open ends): an optimizer knob beyond them
+# diverges or does nothing (an AdamW step above 1 moves every weight by about 1 a step), a size beyond
+# them cannot fit. ``check_model`` bounds seq_len by the model's context as well.
+LIMITS: dict[str, tuple[float, float]] = {
+    "steps": (1, 10**7),
+    "seq_len": (8, 1 << 20),
+    "batch_size": (1, 1 << 16),
+    "micro_batch_size": (1, 1 << 16),
+    "lr": (0.0, 1.0),
+    "weight_decay": (0.0, 1.0),
+    "warmup_ratio": (0.0, 1.0),
+    "temperature": (0.01, 100.0),
+    "hidden_weight": (0.0, 1000.0),
+    "checkpoint_every": (1, 10**7),
+    "seed": (0, 2**32 - 1),
+    "num_processes": (1, 1024),
+    "collective_timeout_s": (0.0, 7 * 86400.0),
+}
+OPEN_BELOW = ("lr", "collective_timeout_s")  # 0 itself is out of range
+OPEN_ABOVE = ("warmup_ratio",)
+LIMIT_HINTS = {
+    "lr": " (AdamW's step size; 1e-5 to 1e-3 is usual: a larger one diverges)",
+    "weight_decay": " (AdamW's decoupled decay per unit of lr; 0.0 to 0.1 is usual)",
+    "warmup_ratio": " (the fraction of distill.steps spent warming up)",
+}
+
+
+def _interval(knob: str, low: float, high: float) -> str:
+    def shown(bound: float) -> str:
+        return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+    return (
+        f"{'(' if knob in OPEN_BELOW else '['}{shown(low)}, {shown(high)}{')' if knob in OPEN_ABOVE else ']'}"
+    )
 
 
 register_pass("distill", "distill", DistillConfig)
@@ -272,6 +322,12 @@ class DistillPass(Pass):
             )
         if facts.teacher is None:
             raise PassError(NO_TEACHER)
+        context = facts.config.get("max_position_embeddings")
+        if isinstance(context, int) and not isinstance(context, bool) and config.seq_len > context:
+            raise PassError(
+                f"distill.seq_len={config.seq_len} exceeds the model's context of {context} tokens "
+                f"(max_position_embeddings): set distill.seq_len={context} or less"
+            )
         if config.hidden_weight and facts.config["hidden_size"] != facts.teacher["hidden_size"]:
             raise PassError(
                 "distill.hidden_weight needs the student's hidden size to equal the teacher's "
@@ -286,6 +342,13 @@ class DistillPass(Pass):
             raise PassError(
                 "distill: the student's tokenizer differs from the teacher's; both must share one"
             )
+
+    def nonfinite_hint(self) -> str:
+        config = self.config
+        return (
+            f"the student diverged: lower distill.lr (now {config.lr:g}) or raise distill.warmup_ratio "
+            f"(now {config.warmup_ratio:g})"
+        )
 
     def _check_bfloat16(self) -> None:
         if self.config.precision != "bf16" or self.placement.device_type != "cuda":
@@ -353,10 +416,7 @@ class DistillPass(Pass):
 
         model = data_parallel(student, group, config.strategy)
         torch.manual_seed(config.seed)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: learning_rate(s, config) / config.lr
-        )
+        optimizer, schedule = self.optimizer(model)
         state = {"step": 0, "curve": [], "epoch_orders": []}
         resumed_from = self._resume(model, optimizer, schedule, state, len(train), group)
         group.agree(resumed_from, "the step to resume from")
@@ -397,6 +457,11 @@ class DistillPass(Pass):
                         loss.backward()
                     total += float(loss.detach())
                 total = group.mean(total)
+                if not math.isfinite(total):  # every rank sees the same mean: all stop here
+                    raise PassError(
+                        f"distill: the KD loss became non-finite ({total}) in step {state['step'] + 1}: "
+                        f"{self.nonfinite_hint()}"
+                    )
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 schedule.step()
@@ -420,7 +485,7 @@ class DistillPass(Pass):
             student.load_state_dict(weights, strict=True)
         student = unwrapped(student)
         student.eval()
-        after = holdout_quality(teacher, student, holdout)
+        after = self._quality_after(teacher, student, holdout)
 
         copy_beside_weights(source.path, out_dir)
         student.save_pretrained(out_dir, safe_serialization=True)
@@ -449,6 +514,33 @@ class DistillPass(Pass):
                 "strategy": config.strategy if group.world > 1 else None,
             },
         }
+
+    def optimizer(self, model: Any) -> tuple[Any, Any]:
+        """(AdamW on ``model``'s parameters, its warm-up then cosine schedule), as a checkpoint
+        of this config holds them."""
+        import torch
+
+        config = self.config
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: learning_rate(s, config) / config.lr
+        )
+        return optimizer, schedule
+
+    def _quality_after(self, teacher: Any, student: Any, holdout: np.ndarray) -> dict[str, float]:
+        """The held-out quality of the trained student; a one-line error if its logits overflow
+        (a perplexity or KL that is not finite), so that no diverged student is written."""
+        try:
+            after = holdout_quality(teacher, student, holdout)
+        except OverflowError:  # math.exp of a huge mean NLL
+            after = {"perplexity": math.inf}
+        bad = [name for name, value in after.items() if not math.isfinite(value)]
+        if bad:
+            raise PassError(
+                f"distill: the trained student's held-out {bad[0]} is not finite (its logits "
+                f"overflow): {self.nonfinite_hint()}"
+            )
+        return after
 
     def _loss(self, teacher: Any, student: Any, ids: Any, layer_map: list[int]) -> Any:
         import torch
@@ -499,8 +591,8 @@ class DistillPass(Pass):
             for file in (STUDENT_FILE, OPTIMIZER_FILE, STATE_FILE):
                 _fsync(staging / file)
             final = root / name
-            if final.exists():  # this step again, after an unreadable later checkpoint was dropped
-                shutil.rmtree(final, ignore_errors=True)
+            if final.exists() or final.is_symlink():  # this step again, after a bad later one was dropped
+                _discard(final)
             try:
                 os.rename(staging, final)
             except OSError:
@@ -509,7 +601,7 @@ class DistillPass(Pass):
                 # Another job on this key wrote the same step meanwhile: keep its (equal) one.
         _fsync(root)
         for old in _checkpoints(root)[KEEP_CHECKPOINTS:]:
-            shutil.rmtree(old, ignore_errors=True)
+            _discard(old)
         log.info("distill: checkpoint at step %d", state["step"])
 
     def _resume(
@@ -538,13 +630,15 @@ class DistillPass(Pass):
             legacy.unlink()
         for path in _checkpoints(root):
             try:
-                loaded = self._read_checkpoint(path, unwrapped(model), optimizer, train_size)
+                if path.is_symlink() or not path.is_dir():
+                    raise ValueError("it is not a folder (a symlink or a file in its place)")
+                loaded = self._read_checkpoint(path, unwrapped(model), optimizer, schedule, train_size)
             except Exception as exc:  # a damaged checkpoint raises anything; nothing was applied yet
                 reason = " ".join(str(exc).split())[:300] or type(exc).__name__
                 log.warning(
                     "distill: discarding checkpoint %s (%s); trying an earlier one", path.name, reason
                 )
-                shutil.rmtree(path, ignore_errors=True)
+                _discard(path)
                 continue
             weights, optimizer_state, schedule_state, rng, saved = loaded
             try:
@@ -552,44 +646,48 @@ class DistillPass(Pass):
                 load_optimizer_state(model, optimizer, optimizer_state)
                 schedule.load_state_dict(schedule_state)
                 torch.set_rng_state(rng)
-            except Exception:
-                shutil.rmtree(path, ignore_errors=True)  # never block every rerun on it
-                raise
+            except Exception as exc:  # checked above: not expected, but never block every rerun on it
+                _discard(path)
+                reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+                raise PassError(
+                    f"distill: checkpoint {path} could not be applied ({reason}) and was discarded: "
+                    "rerun to resume from an earlier one"
+                ) from None
             state.update(saved)
             log.info("distill: resuming at step %d of %d", state["step"], self.config.steps)
             return int(state["step"])
         return 0
 
     def _read_checkpoint(
-        self, path: Path, student: Any, optimizer: Any, train_size: int
+        self, path: Path, student: Any, optimizer: Any, schedule: Any, train_size: int
     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], Any, dict[str, Any]]:
         """Read and check a checkpoint without applying it: (student weights, optimizer state
-        dict, schedule state dict, RNG state, training state). Raises on anything amiss."""
+        dict, schedule state dict, RNG state, training state). Every field of ``state.json`` is
+        typed and range-checked against this run (``check_state``), every tensor against the
+        student and the optimizer, and every file must be a regular one (no symlink, FIFO or
+        device). Raises (``ValueError``, ``UnsafeFileError``, a reader's error) on anything amiss."""
         import torch
         from safetensors.torch import load_file
 
-        meta = json.loads((path / STATE_FILE).read_text())
-        if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{STATE_FILE} is not a format-{CHECKPOINT_FORMAT} checkpoint record")
-        if _trained(meta["config"]) != _trained(json.loads(json.dumps(asdict(self.config)))):
-            raise ValueError("it was written with another distill config")
+        text = read_regular_text(
+            path / STATE_FILE, follow_symlinks=False, what="a distill checkpoint's state"
+        )
+        meta = json.loads(text, parse_constant=_no_constant)
+        check_state(
+            meta, self.config, train_size, optimizer.state_dict()["param_groups"], schedule.state_dict()
+        )
         saved = meta["state"]
         step = saved["step"]
-        if not (isinstance(step, int) and 0 < step < self.config.steps):
-            raise ValueError(f"step {step!r} is out of range")
-        if not (isinstance(saved["curve"], list) and isinstance(saved["epoch_orders"], list)):
-            raise ValueError("the loss curve or data order is not a list")
-        every = list(range(train_size))
-        if any(not isinstance(order, list) or sorted(order) != every for order in saved["epoch_orders"]):
-            raise ValueError(f"the data order is not a permutation of the {train_size} training windows")
-        if len(saved["epoch_orders"]) * train_size < step * self.config.batch_size:
-            raise ValueError("the data order is shorter than the steps taken")
 
-        stored = load_file(str(path / STUDENT_FILE))
-        weights = dict(stored)
-        for name, original in meta["aliases"].items():
-            weights[name] = stored[original]
         expected = student.state_dict()
+        weight_bytes = sum(t.numel() * t.element_size() for t in expected.values())
+        stored = load_file(str(_tensor_file(path / STUDENT_FILE, weight_bytes)))
+        aliases = meta["aliases"]
+        if set(aliases) & set(stored) or not set(aliases.values()) <= set(stored):
+            raise ValueError("its tensor aliases name no stored tensor, or a stored one")
+        weights = dict(stored)
+        for name, original in aliases.items():
+            weights[name] = stored[original]
         if set(weights) != set(expected):
             differ = sorted(set(weights) ^ set(expected))
             raise ValueError(f"the student's tensor names differ ({', '.join(differ[:3])}, ...)")
@@ -599,17 +697,170 @@ class DistillPass(Pass):
                     f"{name} is {weights[name].dtype} {tuple(weights[name].shape)}, the student's "
                     f"{tensor.dtype} {tuple(tensor.shape)}"
                 )
+        for name, tensor in stored.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"the student's {name} holds NaN or infinite values")
 
-        optimizer_tensors = load_file(str(path / OPTIMIZER_FILE))
+        optimizer_tensors = load_file(str(_tensor_file(path / OPTIMIZER_FILE, 3 * weight_bytes)))
+        if RNG_TENSOR not in optimizer_tensors:
+            raise ValueError("it holds no RNG state")
         rng = optimizer_tensors.pop(RNG_TENSOR)
         current = torch.get_rng_state()
         if rng.dtype != current.dtype or rng.shape != current.shape:
             raise ValueError("the RNG state has another shape")
-        optimizer_state = _join_optimizer(optimizer_tensors, meta["optimizer"], optimizer)
-        schedule_state = meta["schedule"]
-        if not isinstance(schedule_state, dict) or schedule_state.get("last_epoch") != step:
-            raise ValueError("the schedule state does not match the step")
-        return weights, optimizer_state, schedule_state, rng, saved
+        torch.Generator().set_state(rng)  # raises for a state the generator refuses
+        optimizer_state = _join_optimizer(optimizer_tensors, meta["optimizer"], optimizer, step)
+        return weights, optimizer_state, meta["schedule"], rng, saved
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{STATE_FILE} holds {name}, which is not JSON")
+
+
+def _tensor_file(path: Path, payload_bytes: int) -> Path:
+    """``path``, refused unless it is a regular file (not a symlink, FIFO or device: nothing is
+    opened) no larger than ``payload_bytes`` of tensors and a header could make it."""
+    size = regular_size(path, follow_symlinks=False, what="a distill checkpoint's tensors")
+    if size > payload_bytes + (64 << 20):
+        raise ValueError(f"{path.name} is {size} bytes, more than its tensors can take")
+    return path
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _same(saved: Any, mine: Any) -> bool:
+    """Whether a value read back from JSON is ``mine`` (tuples as lists), type for type."""
+    if isinstance(mine, list | tuple):
+        return (
+            isinstance(saved, list)
+            and len(saved) == len(mine)
+            and all(_same(a, b) for a, b in zip(saved, mine, strict=True))
+        )
+    if isinstance(mine, dict):
+        return (
+            isinstance(saved, dict)
+            and saved.keys() == mine.keys()
+            and all(_same(saved[k], v) for k, v in mine.items())
+        )
+    return type(saved) is type(mine) and saved == mine
+
+
+def _fields(record: Any, what: str, fields: set[str]) -> dict[str, Any]:
+    if not isinstance(record, dict):
+        raise ValueError(f"{what} is a JSON {type(record).__name__}, not an object")
+    if set(record) != fields:
+        differ = sorted(set(record) ^ fields)
+        raise ValueError(f"{what} has other fields than a checkpoint's ({', '.join(differ[:3])})")
+    return record
+
+
+CHECKPOINT_FIELDS = {"format", "config", "state", "aliases", "optimizer", "schedule"}
+STATE_FIELDS = {"step", "curve", "epoch_orders"}
+
+
+def check_state(
+    meta: Any,
+    config: DistillConfig,
+    train_size: int,
+    param_groups: list[dict[str, Any]],
+    schedule_state: dict[str, Any],
+) -> None:
+    """Raise ``ValueError`` naming the first field of a checkpoint's ``state.json`` (``meta``) that
+    is of the wrong type or out of range for a run of ``config`` on ``train_size`` training
+    windows, whose optimizer has ``param_groups`` and whose schedule's (fresh) state is
+    ``schedule_state``: every field is checked, so nothing read back fails the training later."""
+    meta = _fields(meta, STATE_FILE, CHECKPOINT_FIELDS)
+    if not (_is_int(meta["format"]) and meta["format"] == CHECKPOINT_FORMAT):
+        raise ValueError(f"{STATE_FILE} is not a format-{CHECKPOINT_FORMAT} checkpoint record")
+    if _trained(meta["config"]) != _trained(json.loads(json.dumps(asdict(config)))):
+        raise ValueError("it was written with another distill config")
+    saved = _fields(meta["state"], "its state", STATE_FIELDS)
+    step = saved["step"]
+    if not (_is_int(step) and 0 < step < config.steps):
+        raise ValueError(f"step {step!r} is out of range")
+    curve = saved["curve"]
+    if not isinstance(curve, list) or not all(
+        isinstance(point, list)
+        and len(point) == 2
+        and _is_int(point[0])
+        and 1 <= point[0] <= step
+        and _is_number(point[1])
+        and point[1] >= 0
+        for point in curve
+    ):
+        raise ValueError("the loss curve is not a list of [step, finite loss] pairs up to its step")
+    points = [s for s in range(1, step + 1) if s % CURVE_EVERY == 0 or s == 1]
+    if [point[0] for point in curve] != points:
+        raise ValueError(
+            f"the loss curve does not hold the points of steps {points[:3]}... up to step {step}"
+        )
+    orders = saved["epoch_orders"]
+    epochs = -(-step * config.batch_size // train_size)  # the orders that many steps draw on
+    if not isinstance(orders, list) or len(orders) != epochs:
+        raise ValueError(f"the data order does not hold the {epochs} epoch(s) of {step} steps")
+    rng = np.random.default_rng(config.seed)
+    for order in orders:  # the seed's orders, exactly: the resumed run replays the same data
+        if not (isinstance(order, list) and all(_is_int(i) for i in order)):
+            raise ValueError("the data order is not a list of window numbers")
+        if order != rng.permutation(train_size).tolist():
+            raise ValueError(
+                f"the data order is not distill.seed's order of the {train_size} training windows"
+            )
+    aliases = meta["aliases"]
+    if not isinstance(aliases, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()
+    ):
+        raise ValueError("its tensor aliases are not names")
+    rate = learning_rate(step, config)
+    optimizer = _fields(meta["optimizer"], "its optimizer state", {"param_groups", "scalars"})
+    groups = optimizer["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(param_groups):
+        raise ValueError("the optimizer has another number of parameter groups")
+    for group, mine in zip(groups, param_groups, strict=True):
+        group = _fields(group, "an optimizer parameter group", set(mine))
+        for name, value in mine.items():
+            if name == "lr":
+                if not (
+                    _is_number(group[name]) and math.isclose(group[name], rate, rel_tol=1e-6, abs_tol=1e-12)
+                ):
+                    raise ValueError(
+                        f"the optimizer's lr {group[name]!r} is not the schedule's {rate:g} at step {step}"
+                    )
+            elif not _same(group[name], value):
+                raise ValueError(f"the optimizer's {name} {group[name]!r} is not this run's {value!r}")
+    scalars = optimizer["scalars"]
+    if not isinstance(scalars, dict) or not all(
+        isinstance(values, dict) and all(isinstance(k, str) and _is_number(v) for k, v in values.items())
+        for values in scalars.values()
+    ):
+        raise ValueError("the optimizer's scalars are not finite numbers")
+    schedule = _fields(meta["schedule"], "its schedule state", set(schedule_state))
+    for name, value in schedule_state.items():
+        given = schedule[name]
+        if name == "last_epoch":
+            ok = _is_int(given) and given == step
+        elif name == "_step_count":
+            ok = _is_int(given) and given == step + 1
+        elif name == "_last_lr":
+            ok = (
+                isinstance(given, list)
+                and len(given) == len(value)
+                and all(
+                    _is_number(lr) and math.isclose(lr, rate, rel_tol=1e-6, abs_tol=1e-12) for lr in given
+                )
+            )
+        elif isinstance(value, bool):  # internal flags of the scheduler: their type only
+            ok = isinstance(given, bool)
+        else:  # base_lrs, lr_lambdas: this run's
+            ok = _same(given, value)
+        if not ok:
+            raise ValueError(f"the schedule's {name} {given!r} does not fit step {step} of this run")
 
 
 def _trained(config: Any) -> Any:
@@ -618,11 +869,21 @@ def _trained(config: Any) -> Any:
 
 
 def _checkpoints(root: Path) -> list[Path]:
-    """The complete checkpoint folders under ``root``, newest first."""
+    """The checkpoints under ``root`` (whatever lies at a ``step-NNNNNN`` name), newest first."""
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_NAME.fullmatch(p.name))]
-    return [path for _, path in sorted(found, reverse=True) if path.is_dir()]
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def _discard(path: Path) -> None:
+    """Remove a checkpoint: a folder with what it holds, or a symlink or file in its place (never
+    what a symlink points to)."""
+    if path.is_symlink() or not path.is_dir():
+        with contextlib.suppress(OSError):
+            path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _fsync(path: Path) -> None:
@@ -673,30 +934,46 @@ def _split_optimizer(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
 
 
-def _join_optimizer(tensors: dict[str, Any], meta: dict[str, Any], optimizer: Any) -> dict[str, Any]:
-    """The optimizer state dict from a checkpoint's parts, checked against ``optimizer``."""
-    current = optimizer.state_dict()["param_groups"]
-    groups = meta["param_groups"]
-    if not isinstance(groups, list) or len(groups) != len(current):
-        raise ValueError("the optimizer has another number of parameter groups")
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for saved, mine in zip(groups, current, strict=True):
-        if not isinstance(saved, dict) or saved.get("params") != mine["params"]:
-            raise ValueError("the optimizer's parameter groups differ")
+def _join_optimizer(
+    tensors: dict[str, Any], meta: dict[str, Any], optimizer: Any, step: int
+) -> dict[str, Any]:
+    """The optimizer state dict from a checkpoint's parts (``meta`` checked by ``check_state``),
+    its tensors checked against ``optimizer``'s parameters: names, shapes, dtypes, finite values,
+    second moments not negative, step counts within the checkpoint's ``step``."""
+    import torch
+
+    groups = copy.deepcopy(meta["param_groups"])
+    for saved in groups:
         if isinstance(saved.get("betas"), list):
             saved["betas"] = tuple(saved["betas"])
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     state: dict[int, dict[str, Any]] = {}
     for key, tensor in tensors.items():
-        kind, index_text, name = key.split(".", 2)
-        index = int(index_text)
-        if kind != "state" or not 0 <= index < len(params):
+        kind, index_text, name = [*key.split(".", 2), "", ""][:3]
+        if kind != "state" or not index_text.isdigit() or not 0 <= int(index_text) < len(params):
             raise ValueError(f"unexpected optimizer tensor {key}")
-        if name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") and tensor.shape != params[index].shape:
-            raise ValueError(f"optimizer tensor {key} has shape {tuple(tensor.shape)}")
+        index = int(index_text)
+        if name in moments:
+            if tensor.shape != params[index].shape or tensor.dtype != params[index].dtype:
+                raise ValueError(f"optimizer tensor {key} is {tensor.dtype} {tuple(tensor.shape)}")
+        elif name != "step" or tensor.numel() != 1 or not tensor.is_floating_point():
+            raise ValueError(f"unexpected optimizer tensor {key}")
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"optimizer tensor {key} holds NaN or infinite values")
+        if name == "exp_avg_sq" and bool((tensor < 0).any()):
+            raise ValueError(f"optimizer tensor {key} holds negative second moments")
+        if name == "step" and not (0 <= float(tensor) <= step and float(tensor) == int(float(tensor))):
+            raise ValueError(f"optimizer tensor {key} counts {float(tensor)} steps, not at most {step}")
         state.setdefault(index, {})[name] = tensor
     for index_text, values in meta["scalars"].items():
-        state.setdefault(int(index_text), {}).update(values)
+        index = int(index_text) if index_text.isdigit() else -1
+        if not values or set(values) & set(state.get(index, {})):
+            raise ValueError(f"unexpected optimizer scalars of parameter {index_text!r}")
+        state.setdefault(index, {}).update(values)
+    amsgrad = any(group.get("amsgrad") for group in groups)
+    needed = {"exp_avg", "exp_avg_sq", "step"} | ({"max_exp_avg_sq"} if amsgrad else set())
     for index, values in state.items():
-        if not 0 <= index < len(params) or not {"exp_avg", "exp_avg_sq", "step"} <= set(values):
+        if not 0 <= index < len(params) or set(values) != needed:
             raise ValueError(f"the optimizer state of parameter {index} is incomplete")
     return {"state": state, "param_groups": groups}

@@ -14,6 +14,7 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Callable
@@ -28,7 +29,8 @@ from pipeline.config import DRIFT_FAMILIES, BenchConfig, EvalConfig, ModelConfig
 from pipeline.core.artifacts import Artifact, Kind, link_tree
 from pipeline.core.base import Pass
 from pipeline.core.cache import Cache, library_versions
-from pipeline.core.manager import PassManager, validate
+from pipeline.core.errors import EngineError
+from pipeline.core.manager import PassManager, check_against_model, validate
 from pipeline.core.memory import preflight
 from pipeline.core.plugins import build_passes
 from pipeline.core.staging import owned_folder, remove_abandoned, storage_error, unique_name
@@ -152,6 +154,9 @@ def run_pipeline(
     max_age_s = staging_max_age_s(cfg)
     source = resolve_source(model_cfg, Path(cfg.pipeline.models_dir), max_age_s)
     log.info("source %s (%s)", source.path, source.digest[:12])
+    # The model-dependent knobs (a seq_len beyond the model's context...) before the memory
+    # preflight, whose estimate they would otherwise blow up under another knob's name.
+    check_against_model(passes, source)
     bench_cfg = section(cfg, "bench")
     assert isinstance(bench_cfg, BenchConfig)
     # Before the first pass: refuse a recipe whose estimated peak memory exceeds what is available.
@@ -238,15 +243,64 @@ def _quality(
     payload = {"engine": engine.digest, "reference": reference.digest, "config": asdict(config)}
     key = hashlib.sha256(json.dumps({**payload, "libs": library_versions()}, sort_keys=True).encode())
     stored = cache.root / "quality" / f"{key.hexdigest()}.json"
-    found = cache.read_record(stored) if cache.enabled else None  # a broken record is recomputed
+    expected = json.loads(json.dumps(payload))  # as a record read back holds it
+
+    def check(record: dict[str, Any]) -> str | None:
+        return quality_problem(record, expected)
+
+    # A broken record, or one whose fields are of the wrong type or out of range, is recomputed.
+    found = cache.read_record(stored, check=check) if cache.enabled else None
     if found is not None:
         return {**found, "cache_hit": True}
     log.info("quality: scoring on held-out text '%s'", config.text)
     same = reference.digest == engine.digest
     record = {**quality_fn(engine.path, None if same else reference.path, config), **payload}
+    problem = quality_problem(json.loads(json.dumps(record)), expected)
+    if problem is not None:  # never cached: it would be read back as broken
+        raise EngineError(
+            f"quality: the score of engine {engine.path} is unusable ({problem}); nothing was cached"
+        )
     if cache.enabled:
         cache.write_record(stored, record)
     return {**record, "cache_hit": False}
+
+
+# The numbers of a quality record (``evals.agreement.compare``) and their ranges: (low, high, integer).
+QUALITY_NUMBERS: dict[str, tuple[float, float, bool]] = {
+    "tokens_scored": (1, math.inf, True),
+    "windows": (1, math.inf, True),
+    "window": (1, math.inf, True),
+    "chunk": (0, math.inf, True),
+    "perplexity": (0.0, math.inf, False),
+    "reference_perplexity": (0.0, math.inf, False),
+    "kl_mean": (-1e-6, math.inf, False),  # a KL, up to float rounding
+    "top1_agreement": (0.0, 1.0, False),
+}
+QUALITY_REQUIRED = ("perplexity", "reference_perplexity", "kl_mean", "top1_agreement", "tokens_scored")
+
+
+def quality_problem(record: dict[str, Any], payload: dict[str, Any]) -> str | None:
+    """What is wrong with a quality record for the engines and settings of ``payload`` (None:
+    nothing): another engine, reference or config, a missing score, a number of the wrong type,
+    not finite or out of range, or a text or flag of the wrong type."""
+    for name, value in payload.items():
+        if record.get(name) != value:
+            return f"its {name} is not this run's"
+    for name in QUALITY_REQUIRED:
+        if name not in record:
+            return f"it has no {name}"
+    for name, (low, high, integral) in QUALITY_NUMBERS.items():
+        if name not in record:
+            continue
+        value = record[name]
+        typed = isinstance(value, int) if integral else isinstance(value, int | float)
+        if isinstance(value, bool) or not typed or not math.isfinite(value) or not low <= value <= high:
+            return f"its {name} {value!r} is not a finite number in [{low:g}, {high:g}]"
+    if record["perplexity"] <= 0 or record["reference_perplexity"] <= 0:
+        return "a perplexity is not positive"
+    if not isinstance(record.get("text", ""), str) or not isinstance(record.get("same_engine", False), bool):
+        return "its text or same_engine is of the wrong type"
+    return None
 
 
 def _reference(cfg: DictConfig, source: Artifact, cache: Cache) -> Artifact:

@@ -137,6 +137,15 @@ class Pass(ABC):
         """Check the output; raise :class:`PassError` on failure; return metrics to record."""
         return {}
 
+    def nonfinite_hint(self) -> str:
+        """The fix the one-line error names when this pass's output holds a NaN or infinite
+        weight (the manager checks every output before caching it): the knob to change."""
+        group = self.config_group or self.name
+        return (
+            f"check that the input model's weights are finite, and the {group}.* settings of "
+            f"pass '{self.name}' (a scale or step size that overflows)"
+        )
+
 
 def without_knobs(config: dict[str, Any], knobs: tuple[str, ...]) -> dict[str, Any]:
     """A copy of ``config`` without the (possibly dotted, possibly absent) ``knobs``."""

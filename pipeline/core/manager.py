@@ -2,8 +2,9 @@
 
 Validation happens before anything runs, so ``prune`` after ``export`` is a configuration
 error at start-up, not a crash an hour in. Each pass output is looked up by content key;
-a miss runs the pass in a staging folder, checks ``ensures`` and only then commits, so a
-failed or interrupted pass leaves no entry and a rerun resumes from the last finished pass.
+a miss runs the pass in a staging folder, checks ``ensures`` and that every weight of the output is
+finite (``pipeline/core/finite.py``), and only then commits, so a failed, diverged or interrupted
+pass leaves no entry and a rerun resumes from the last finished pass.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.base import Pass, without_knobs
 from pipeline.core.cache import Cache, CacheEntry, cache_key
 from pipeline.core.distributed import check_processes
-from pipeline.core.errors import ConfigError
+from pipeline.core.errors import ConfigError, PassError, PipelineError
+from pipeline.core.finite import first_nonfinite
 from pipeline.core.memory import ResourceMeter, empty_resources
 from pipeline.core.planned_model import PlannedModel
 
@@ -156,15 +159,37 @@ class PassManager:
         config = step.config_dict()
         placement = placement_of(step)
         key = _key(step, source.digest, config)
-        entry = self.cache.lookup(key, step.produces)
+        entry = self._lookup(step, key)
         if entry is None:
             # Jobs sharing the cache (a sweep) compute a key once: the others wait, then reuse it.
             with self.cache.computing(key, f"pass '{step.name}' ({key[:12]})"):
-                entry = self.cache.lookup(key, step.produces)  # committed while we took the lock?
+                entry = self._lookup(step, key)  # committed while we took the lock?
                 if entry is None:
                     return self._compute(index, step, source, key, config, placement)
         log.info("pass %d/%d %s: cache hit (%s)", index, len(self.passes), step.name, key[:12])
         return entry.artifact, _record(step, entry, cache_hit=True)
+
+    def _lookup(self, step: Pass, key: str) -> CacheEntry | None:
+        """The verified entry of ``key``, or None. An entry committed before outputs were checked
+        for finite weights (no ``finite`` in its record) is checked now, and evicted (then
+        recomputed) if a weight is NaN or infinite: a diverged output cached by an earlier
+        version must not fail every later run."""
+        entry = self.cache.lookup(key, step.produces)
+        if entry is None or entry.record.get("finite") is True:
+            return entry
+        try:
+            found = first_nonfinite(entry.artifact.path)
+        except (ValueError, PipelineError) as exc:
+            problem = str(exc)
+        else:
+            problem = None if found is None else f"{found.file} holds a non-finite {found.tensor}"
+        if problem is None:
+            return entry
+        log.warning(
+            "cache entry %s of pass '%s': %s; discarding it and recomputing", key[:12], step.name, problem
+        )
+        self.cache.evict(key)
+        return None
 
     def _compute(
         self,
@@ -187,6 +212,7 @@ class PassManager:
                 metrics = dict(step.run(source, out_dir) or {})
                 produced = Artifact.from_dir(step.produces, out_dir)
                 metrics.update(step.ensures(source, produced) or {})
+            check_finite(step, out_dir)
             seconds = round(time.perf_counter() - start, 3)
             entry = self.cache.commit(
                 key,
@@ -202,6 +228,7 @@ class PassManager:
                     "seconds": seconds,
                     "resources": meter.resources,
                     "metrics": metrics,
+                    "finite": True,  # every weight checked (check_finite)
                 },
             )
         peak = meter.resources["peak_rss_bytes"]
@@ -215,6 +242,22 @@ class PassManager:
             "unknown" if peak is None else f"{peak / 2**30:.2f} GiB",
         )
         return entry.artifact, _record(step, entry, cache_hit=False)
+
+
+def check_finite(step: Pass, out_dir: Path) -> None:
+    """A one-line :class:`PassError` naming the pass, the file and the tensor unless every weight
+    of ``step``'s output in ``out_dir`` is finite (and the fix: ``Pass.nonfinite_hint``)."""
+    started = time.perf_counter()
+    try:
+        found = first_nonfinite(out_dir)
+    except ValueError as exc:
+        raise PassError(f"pass '{step.name}' wrote an unreadable output: {exc}; nothing was cached") from None
+    log.debug("pass %s: weights checked finite in %.1f s", step.name, time.perf_counter() - started)
+    if found is not None:
+        raise PassError(
+            f"pass '{step.name}' produced non-finite weights ({found.count}+ NaN or infinite values in "
+            f"tensor {found.tensor} of {found.file}); nothing was cached: {step.nonfinite_hint()}"
+        )
 
 
 def _record(step: Pass, entry: CacheEntry, cache_hit: bool) -> PassRecord:

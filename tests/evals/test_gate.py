@@ -136,6 +136,58 @@ def test_a_broken_cached_score_record_is_rescored_not_a_traceback(tmp_path: Path
     assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == [r.name for r in records]
 
 
+FIELD_DAMAGES = {
+    "score of text": lambda r: r["items"][0].update(score="abc"),
+    "score above 1": lambda r: r["items"][0].update(score=7),
+    "score NaN": lambda r: r["items"][0].update(score=float("nan")),
+    "score a boolean": lambda r: r["items"][0].update(score=True),
+    "id a number": lambda r: r["items"][0].update(id=3),
+    "hash missing": lambda r: r["items"][0].pop("hash"),
+    "extra item field": lambda r: r["items"][0].update(extra=1),
+    "id twice": lambda r: r["items"].append(dict(r["items"][0])),
+    "another engine's key": lambda r: r["key"].update(engine="d-other"),
+    "no key": lambda r: r.pop("key"),
+    "items an object": lambda r: r.update(items={"a": 1}),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(FIELD_DAMAGES))
+def test_a_cached_score_record_with_a_bad_field_is_discarded_and_rescored(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A well-formed JSON record whose fields are of the wrong type or out of range (before: a
+    TypeError in the statistics, or a score of 7 or NaN judged as it was) is scored again."""
+    calls: list[str] = []
+
+    def score(engine: Path, suite: str) -> list[ItemScore]:
+        calls.append(engine.name)
+        return scores([1, 0] * 50, prefix=suite)
+
+    kwargs = dict(suites=["a"], thresholds={"a": GateThresholds()}, score_fn=score, settings={})
+    first = run_gate((tmp_path / "c", "d-c"), (tmp_path / "b", "d-b"), **kwargs, cache_dir=tmp_path)
+    for path in sorted((tmp_path / "eval").glob("*.json")):
+        record = json.loads(path.read_text())
+        FIELD_DAMAGES[damage](record)
+        path.write_text(json.dumps(record))
+    again = run_gate((tmp_path / "c", "d-c"), (tmp_path / "b", "d-b"), **kwargs, cache_dir=tmp_path)
+    assert sorted(calls) == ["b", "b", "c", "c"] and again["suites"] == first["suites"]
+    assert sum("discarding it and recomputing" in r.getMessage() for r in caplog.records) == 2
+    for path in (tmp_path / "eval").glob("*.json"):  # stored whole again
+        assert all(0 <= item["score"] <= 1 for item in json.loads(path.read_text())["items"])
+
+
+def test_scores_out_of_range_are_refused_not_cached(tmp_path: Path) -> None:
+    def score(engine: Path, suite: str) -> list[ItemScore]:
+        return [ItemScore("a", "h", float("nan")), ItemScore("b", "h", 0.0)]
+
+    kwargs = dict(suites=["a"], thresholds={"a": GateThresholds()}, score_fn=score, settings={})
+    with pytest.raises(
+        GateError, match=r"eval suite 'a': the scores of .* are unusable \(item 'a' has a score of nan"
+    ):
+        run_gate((tmp_path / "c", "d-c"), (tmp_path / "b", "d-b"), **kwargs, cache_dir=tmp_path)
+    assert not list(tmp_path.glob("eval/*.json"))  # nothing was cached
+
+
 def test_a_changed_suite_file_rescores_that_suite_only(tmp_path: Path) -> None:
     calls: list[str] = []
 
