@@ -315,6 +315,11 @@ def pruned_config(config: dict[str, Any], target: Shape, layers: list[int]) -> d
     return pruned
 
 
+def _perplexity(mean_nll: float) -> float:
+    """``exp(mean_nll)``, infinite for a model so diverged that it overflows (never a traceback)."""
+    return math.exp(mean_nll) if mean_nll < 709.0 else math.inf
+
+
 def holdout_quality(teacher: Any, student: Any, windows: np.ndarray) -> dict[str, float]:
     """Perplexity of both and mean KL(teacher || student) per token on ``windows``: each model runs
     on its own device in its own dtype; the log-probabilities and sums are float64 (on the CPU)."""
@@ -335,8 +340,8 @@ def holdout_quality(teacher: Any, student: Any, windows: np.ndarray) -> dict[str
             kl += float((lt.exp() * (lt - ls)).sum())
             count += len(targets)
     return {
-        "teacher_perplexity": math.exp(nll_t / count),
-        "perplexity": math.exp(nll_s / count),
+        "teacher_perplexity": _perplexity(nll_t / count),
+        "perplexity": _perplexity(nll_s / count),
         "kl_vs_teacher": kl / count,
         "tokens": count,
     }

@@ -79,8 +79,9 @@ class PipelineSettings:
     cache_dir: str = "artifacts/cache"
     models_dir: str = "artifacts/models"
     # Staging folders (cache entries, engine copies, conversions) are removed by later runs when
-    # their owner's lock is free (pipeline/core/staging.py); on storage whose locks do not reach every
-    # host, also when older than this many hours (null: by lock only).
+    # their owner's lock is free (pipeline/core/staging.py); with this set, only once nothing was
+    # written in them for this many hours as well: an extra condition on a free lock, never a
+    # reason on its own (null: by lock only).
     staging_max_age_h: float | None = None
     # Where the torch passes compute (pipeline/core/placement.py): auto|cpu|cuda|cuda:N, and in what
     # dtype: auto|float32|bfloat16|float16 (auto: bfloat16 on a GPU, float32 on the CPU).

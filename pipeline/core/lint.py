@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -41,7 +42,9 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.artifacts import read_metadata
-from pipeline.core.errors import PipelineError, first_line
+from pipeline.core.engine import ENGINE_FILE, read_engine_spec
+from pipeline.core.errors import EngineError, PipelineError, first_line
+from pipeline.core.files import UnsafeFileError, confined
 
 SUPPORT_TABLE = Path(__file__).resolve().parent / "data" / "onnx_tensorrt_ops.json"
 STANDARD_DOMAINS = ("", "ai.onnx")
@@ -96,11 +99,19 @@ def model_file(path: Path) -> Path:
         return path
     if not path.is_dir():
         raise LintError(f"{path} does not exist: give a graph or engine folder, or a .onnx file")
-    engine_spec = path / "engine.json"
-    name = json.loads(engine_spec.read_text()).get("model_file") if engine_spec.is_file() else None
-    name = name or read_metadata(path).get("model_file")
-    if name and (path / name).is_file():
-        return path / name
+    if os.path.lexists(path / ENGINE_FILE):  # typed, and its graph confined to the folder
+        try:
+            return read_engine_spec(path, graphs=False).model_path
+        except EngineError as exc:
+            raise LintError(str(exc)) from None
+    name = read_metadata(path).get("model_file")
+    if isinstance(name, str) and name:
+        try:
+            named = confined(path / name, path)
+        except UnsafeFileError as exc:
+            raise LintError(str(exc)) from None
+        if named.is_file():
+            return named
     if (path / "model.onnx").is_file():
         return path / "model.onnx"
     raise LintError(f"{path} holds no ONNX graph (no model.onnx): give a graph or engine folder")
