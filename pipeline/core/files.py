@@ -110,7 +110,8 @@ def regular_size(
     info = os.stat(target) if follow_symlinks else os.lstat(target)
     if stat.S_ISLNK(info.st_mode):
         raise UnsafeFileError(
-            f"{path} is a symlink, where only regular files are allowed ({what}): replace it with the file itself"
+            f"{path} is a symlink, where only regular files are allowed ({what}): "
+            "replace it with the file itself"
         )
     if not stat.S_ISREG(info.st_mode):
         raise _refuse(path, info.st_mode, what)
@@ -130,7 +131,8 @@ def read_regular(
         size = os.fstat(handle.fileno()).st_size
         if max_bytes is not None and size > max_bytes:
             raise UnsafeFileError(
-                f"{path} is {size} bytes, more than the {max_bytes} bytes allowed for {what}: it is not such a file"
+                f"{path} is {size} bytes, more than the {max_bytes} bytes allowed for {what}: "
+                "it is not such a file"
             )
         return handle.read(size)
 
@@ -148,7 +150,9 @@ def read_regular_text(
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UnsafeFileError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}): it is not {what}")
+        raise UnsafeFileError(
+            f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}): it is not {what}"
+        ) from None
 
 
 def sha256_regular(
