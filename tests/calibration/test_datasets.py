@@ -43,7 +43,11 @@ def test_shipped_text_declares_its_source_and_licence() -> None:
         (CalibrationConfig(num_samples=0), None, "quant.calibration.num_samples must be at least 1"),
         (CalibrationConfig(seq_len=1), None, "quant.calibration.seq_len must be at least 2"),
         (CalibrationConfig(seq_len=64), "too short", "than one sequence of quant.calibration.seq_len=64"),
-        (CalibrationConfig(num_samples=9999, seq_len=64), None, "quant.calibration.num_samples=9999 exceeds"),
+        (
+            CalibrationConfig(num_samples=9999, seq_len=64),
+            None,
+            "quant.calibration.num_samples=9999 x quant.calibration.seq_len=64 needs",
+        ),
         (CalibrationConfig(dataset="wiki"), None, "quant.calibration.dataset='wiki' is unknown"),
     ],
 )

@@ -64,6 +64,8 @@ def test_quant_fp16_composes_and_refuses_a_quantized_graph(fp16_graph: tuple[Art
 def test_a_graph_that_disagrees_fails_ensures(
     tiny_graph: Artifact, fp16_graph: tuple[Artifact, dict]
 ) -> None:
+    step = Fp16Pass()
+    step.config.min_top1_agreement = 1.01  # set past validate(): a bar that no graph clears
     with pytest.raises(PassError, match="min_top1_agreement"):
-        Fp16Pass(min_top1_agreement=1.01).ensures(tiny_graph, fp16_graph[0])
+        step.ensures(tiny_graph, fp16_graph[0])
     assert np.isfinite(fp16_graph[1]["vs_input"]["max_abs_diff"])
