@@ -21,11 +21,12 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 
 from pipeline.core.files import UnsafeFileError, confined, open_regular, walk_regular
+from pipeline.core.graph_io import proto_tensors
 
 _CHUNK_BYTES = 32 << 20  # bytes read (and checked) at a time
 _MAX_HEADER = 100 << 20  # a safetensors JSON header larger than this is not one
@@ -142,20 +143,6 @@ def _safetensors(path: Path, within: Path) -> Iterator[tuple[str, int]]:
                 yield name, bad
 
 
-def _onnx_tensors(graph: Any) -> Iterator[Any]:
-    """Every TensorProto of ``graph`` and its subgraphs: initializers and constant attributes."""
-    yield from graph.initializer
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("t"):
-                yield attribute.t
-            yield from attribute.tensors
-            if attribute.HasField("g"):
-                yield from _onnx_tensors(attribute.g)
-            for sub in attribute.graphs:
-                yield from _onnx_tensors(sub)
-
-
 def _onnx(path: Path, within: Path) -> Iterator[tuple[str, int]]:
     """(tensor name, non-finite count) of each floating tensor of an ONNX graph that holds one;
     external data is read where each tensor points, confined to ``within``."""
@@ -163,7 +150,7 @@ def _onnx(path: Path, within: Path) -> Iterator[tuple[str, int]]:
 
     with open_regular(path, within=within, what="a pass output checked for finite weights") as handle:
         model = onnx.load_model_from_string(handle.read())  # external data is not loaded
-    for tensor in _onnx_tensors(model.graph):
+    for tensor in proto_tensors(model.graph):  # initializers, sparse and constant ones, subgraphs
         floating = ONNX_FLOATS.get(tensor.data_type)
         if floating is None:
             continue

@@ -12,11 +12,9 @@ import copy
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,25 +30,10 @@ from pipeline.core.errors import EngineError
 from pipeline.core.subprocesses import child_environment, isolated_python
 from pipeline.manifest import engine_files
 from pipeline.runtime import Engine
+from tests.untrusted import deadline, json_paths
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**child_environment(), "PYTHONPATH": str(REPO)}
-
-
-@contextmanager
-def deadline(seconds: int) -> Iterator[None]:
-    """Fail (not hang) when the body takes longer than ``seconds``."""
-
-    def expired(*_: Any) -> None:
-        raise TimeoutError(f"hung for over {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture
@@ -492,17 +475,6 @@ JSON_VALUES = st.recursive(
 )
 
 
-def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    found = [prefix] if prefix else []
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found += _paths(item, (*prefix, key))
-    elif isinstance(value, list):
-        for number, item in enumerate(value):
-            found += _paths(item, (*prefix, number))
-    return found
-
-
 @st.composite
 def malformed_specs(draw: st.DrawFn, good: dict[str, Any]) -> str:
     """engine.json text: the good spec with one field replaced, removed or added, or not JSON."""
@@ -510,7 +482,7 @@ def malformed_specs(draw: st.DrawFn, good: dict[str, Any]) -> str:
     if how == "text":
         return draw(st.text(max_size=40))
     spec = copy.deepcopy(good)
-    path = draw(st.sampled_from(_paths(spec)))
+    path = draw(st.sampled_from(json_paths(spec)))
     node = spec
     for key in path[:-1]:
         node = node[key]

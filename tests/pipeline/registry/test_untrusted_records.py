@@ -26,6 +26,7 @@ from pipeline.core.artifacts import write_json
 from pipeline.core.subprocesses import child_environment
 from pipeline.registry import LocalRegistry, Ref, RegistryError
 from pipeline.registry.records import check_files
+from tests.untrusted import json_paths
 
 REPO = Path(__file__).resolve().parents[3]
 ENV = {**child_environment(), "PYTHONPATH": str(REPO)}
@@ -227,17 +228,6 @@ FILE_PATHS = st.sampled_from(
 ) | st.text(max_size=10)
 
 
-def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    found = [prefix] if prefix else []
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found += _paths(item, (*prefix, key))
-    elif isinstance(value, list):
-        for number, item in enumerate(value):
-            found += _paths(item, (*prefix, number))
-    return found
-
-
 @st.composite
 def malformed_records(draw: st.DrawFn, good: dict[str, Any]) -> str:
     """A version record: the good one with a field replaced or removed, files renamed to
@@ -251,7 +241,7 @@ def malformed_records(draw: st.DrawFn, good: dict[str, Any]) -> str:
             if draw(st.booleans()):
                 entry["path"] = draw(FILE_PATHS)
         return json.dumps(record)
-    path = draw(st.sampled_from([p for p in _paths(record) if p[0] != "manifest"]))
+    path = draw(st.sampled_from([p for p in json_paths(record) if p[0] != "manifest"]))
     node = record
     for key in path[:-1]:
         node = node[key]
