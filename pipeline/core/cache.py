@@ -212,6 +212,19 @@ class Cache:
             return self._discard(key, judged, problem)
         return CacheEntry(key, artifact, record)
 
+    def amend(self, entry: CacheEntry, fields: dict[str, Any]) -> CacheEntry:
+        """``entry`` with ``fields`` added to its ``entry.json`` (rewritten by atomic rename, its
+        temporary file in a lock-owned staging folder), e.g. a check an older version did not
+        make, so that it is made once. A cache we may not write to keeps the entry as it was."""
+        record = {**entry.record, **fields}
+        try:
+            with owned_folder(self.staging_root / unique_name(f"{entry.key}.amend")) as folder:
+                write_json(self.root / entry.key / ENTRY_FILE, record, staging=folder)
+        except OSError as exc:
+            log.info("cache entry %s: not amended (%s)", entry.key[:12], exc.strerror)
+            return entry
+        return CacheEntry(entry.key, entry.artifact, record)
+
     def _discard(self, key: str, judged: tuple[int, int] | None, problem: str | None) -> None:
         """Evict ``key``'s entry with one warning saying ``problem``."""
         shown = " ".join(str(problem).split())[:500]

@@ -184,7 +184,7 @@ class PassManager:
         else:
             problem = None if found is None else f"{found.file} holds a non-finite {found.tensor}"
         if problem is None:
-            return entry
+            return self.cache.amend(entry, {"finite": True})  # checked once, not on every hit
         log.warning(
             "cache entry %s of pass '%s': %s; discarding it and recomputing", key[:12], step.name, problem
         )

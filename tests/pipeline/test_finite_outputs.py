@@ -430,6 +430,24 @@ def test_a_sound_quality_record_is_reused(tiny_llama: Path, quality_run: tuple[P
     assert again["cache_hit"] is True and again["kl_mean"] == first["kl_mean"]
 
 
+def test_a_sound_entry_of_an_earlier_version_is_checked_once_and_marked(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    source = Artifact.from_dir(Kind.TORCH, tiny_llama)
+    run_pass(PrunePass(calibration=CALIBRATION, mlp_ratio=0.5), source, tmp_path / "cache")
+    (key,) = entries(tmp_path / "cache")
+    entry_file = tmp_path / "cache" / key / ENTRY_FILE
+    record = json.loads(entry_file.read_text())
+    record.pop("finite")  # as an earlier version committed it
+    entry_file.write_text(json.dumps(record))
+    _, (again,) = PassManager(
+        [PrunePass(calibration=CALIBRATION, mlp_ratio=0.5)], Cache(tmp_path / "cache"), None
+    ).run(source)
+    assert again.cache_hit  # served, not recomputed ...
+    assert json.loads(entry_file.read_text()) == {**record, "finite": True}  # ... and marked checked
+    assert list((tmp_path / "cache" / ".staging").iterdir()) == []
+
+
 @pytest.mark.parametrize("damage", sorted(QUALITY_DAMAGES))
 def test_a_cached_quality_record_with_a_bad_field_is_recomputed(
     tiny_llama: Path, quality_run: tuple[Path, dict[str, Any]], damage: str
