@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -575,21 +576,29 @@ def _refuse(file: str, key: str, why: str) -> ConfigError:
     )
 
 
+def _first_below(
+    node: Any, path: str, finding: Callable[[Any, str, Any], str | None], key: Any = None
+) -> str | None:
+    """The first ``finding(value, path, key)`` that is not None, over ``node`` (``key`` None) and
+    every value below it, depth first in order (dict values at ``path.key``, list items at
+    ``path[i]``, with their key or index)."""
+    found = finding(node, path, key)
+    if found:
+        return found
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for name, child in children:
+        at = f"{path}.{name}" if isinstance(node, dict) else f"{path}[{name}]"
+        found = _first_below(child, at, finding, name)
+        if found:
+            return found
+    return None
+
+
 def _instantiate_keys(node: Any, path: str) -> str | None:
     """The first key through which Hydra's instantiate would build an object, below ``node``."""
-    if isinstance(node, dict):
-        for key, child in node.items():
-            if key in INSTANTIATE_KEYS:
-                return f"{path}.{key}"
-            found = _instantiate_keys(child, f"{path}.{key}")
-            if found:
-                return found
-    elif isinstance(node, list):
-        for index, child in enumerate(node):
-            found = _instantiate_keys(child, f"{path}[{index}]")
-            if found:
-                return found
-    return None
+    return _first_below(
+        node, path, lambda _, at, key: at if key is not None and key in INSTANTIATE_KEYS else None
+    )
 
 
 def _check_plugin(file: str, key: str, node: Any, allowed: tuple[str, ...]) -> None:
@@ -654,21 +663,15 @@ _INTERPOLATION = re.compile(r"\$\{\s*(?:([\w.]+)\s*:)?")
 
 def _unsafe_interpolation(node: Any, path: str) -> str | None:
     """The first value below ``node`` that interpolates a node or an unlisted resolver."""
-    if isinstance(node, dict):
-        for key, child in node.items():
-            found = _unsafe_interpolation(child, f"{path}.{key}")
-            if found:
-                return found
-    elif isinstance(node, list):
-        for index, child in enumerate(node):
-            found = _unsafe_interpolation(child, f"{path}[{index}]")
-            if found:
-                return found
-    elif isinstance(node, str):
-        for match in _INTERPOLATION.finditer(node):
-            if match.group(1) not in SAFE_RESOLVERS:
-                return f"{path}={node}"
-    return None
+
+    def unsafe(value: Any, at: str, _: Any) -> str | None:
+        if isinstance(value, str):
+            for match in _INTERPOLATION.finditer(value):
+                if match.group(1) not in SAFE_RESOLVERS:
+                    return f"{at}={value}"
+        return None
+
+    return _first_below(node, path, unsafe)
 
 
 def _hydra_override_key(key: str) -> bool:

@@ -15,12 +15,9 @@ from pathlib import Path
 # from the child's own children.
 _UNSAFE_ENV = ("LD_PRELOAD", "LD_AUDIT")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # holds pipeline/, passes/, evals/
-# Run a module of ours in isolated mode: no PYTHONPATH, no user site, no current folder on
-# sys.path; the project root comes as the first argument instead.
-_ISOLATED_MAIN = (
-    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); name = sys.argv.pop(1); "
-    "sys.argv[0] = name; runpy.run_module(name, run_name='__main__', alter_sys=True)"
-)
+# The first line of every ``python -I -c`` we run: isolated mode drops PYTHONPATH, the user site
+# and the current folder from sys.path, so the project root, the first argument, is put there.
+_PROJECT_ON_PATH = "import sys; sys.path.insert(0, sys.argv.pop(1))\n"
 
 
 def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -37,14 +34,13 @@ def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 def isolated_python(module: str, *args: str) -> list[str]:
     """The command line that runs ``python -m module args`` in Python's isolated mode (``-I``:
     neither PYTHONPATH, PYTHONSTARTUP nor a ``sitecustomize.py`` outside the installation is
-    used), with the project root passed explicitly; run it with :func:`child_environment`."""
-    return [sys.executable, "-I", "-c", _ISOLATED_MAIN, str(PROJECT_ROOT), module, *args]
+    used), with the project root put on its path; run it with :func:`child_environment`. ``module``
+    is one of ours, named in our code (never read from input)."""
+    run = f"import runpy; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
+    return [sys.executable, "-I", "-c", _PROJECT_ON_PATH + run, str(PROJECT_ROOT), *args]
 
 
 def isolated_script(script: str, *args: str) -> list[str]:
-    """:func:`isolated_python` for a script given as text (``python -I -c``), which sees
-    ``args`` as ``sys.argv[1:]``."""
-    boot = (
-        "import sys; sys.path.insert(0, sys.argv.pop(1)); exec(compile(sys.argv.pop(1), '<child>', 'exec'))"
-    )
-    return [sys.executable, "-I", "-c", boot, str(PROJECT_ROOT), script, *args]
+    """:func:`isolated_python` for a script of ours given as text (``python -I -c``: a constant
+    of the calling module, never text read from input), which sees ``args`` as ``sys.argv[1:]``."""
+    return [sys.executable, "-I", "-c", _PROJECT_ON_PATH + script, str(PROJECT_ROOT), *args]

@@ -257,19 +257,10 @@ def test_export_output_holds_only_referenced_files(tiny_graph: Artifact) -> None
 def small_disk(tmp_path: Path):
     """A 100 KiB tmpfs: a real ENOSPC partway through the tiny model's data (needs root and
     mount; skipped elsewhere)."""
-    import subprocess
+    from tests.untrusted import tmpfs
 
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=100k", "tmpfs", str(mount)], capture_output=True
-    )
-    if made.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with tmpfs(tmp_path / "disk", "100k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_disk_during_the_data_write_names_the_file(tiny_graph: Artifact, small_disk: Path) -> None:

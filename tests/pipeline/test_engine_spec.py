@@ -30,7 +30,7 @@ from pipeline.core.errors import EngineError
 from pipeline.core.subprocesses import child_environment, isolated_python
 from pipeline.manifest import engine_files
 from pipeline.runtime import Engine
-from tests.untrusted import deadline, json_paths
+from tests.untrusted import JSON_VALUES, deadline, json_paths
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**child_environment(), "PYTHONPATH": str(REPO)}
@@ -458,21 +458,6 @@ def test_a_broken_cached_bench_record_is_discarded_and_measured_again(
 
 
 # -- property-based: malformed engine.json files ----------------------------------------------
-
-
-def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    return st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3)
-
-
-JSON_VALUES = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=12),
-    _containers,
-    max_leaves=6,
-)
 
 
 @st.composite

@@ -33,6 +33,7 @@ from pipeline.core.errors import ConfigError, PipelineError, describe_os_error, 
 from pipeline.nightly import JOB_STATUS, write_job_status
 from tests.pipeline.recipe import compose_recipe
 from tests.pipeline.test_main import REPO
+from tests.untrusted import tmpfs
 
 
 def cli(workdir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -388,17 +389,8 @@ def test_os_errors_name_the_path_and_the_reason(tmp_path: Path) -> None:
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     """A 64 KiB tmpfs: a real ENOSPC (needs root and mount; skipped elsewhere)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True
-    )
-    if made.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with tmpfs(tmp_path / "disk", "64k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_disk_says_disk_full(tiny_disk: Path) -> None:

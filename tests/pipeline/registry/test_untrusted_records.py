@@ -26,7 +26,7 @@ from pipeline.core.artifacts import write_json
 from pipeline.core.subprocesses import child_environment
 from pipeline.registry import LocalRegistry, Ref, RegistryError
 from pipeline.registry.records import check_files
-from tests.untrusted import json_paths
+from tests.untrusted import JSON_VALUES, json_paths
 
 REPO = Path(__file__).resolve().parents[3]
 ENV = {**child_environment(), "PYTHONPATH": str(REPO)}
@@ -210,19 +210,6 @@ def test_publish_refuses_a_garbage_graph_even_when_forced(
 # -- property-based: malformed version records -------------------------------------------------
 
 
-def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    return st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3)
-
-
-JSON_VALUES = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=12),
-    _containers,
-    max_leaves=6,
-)
 FILE_PATHS = st.sampled_from(
     ["a", "a/sub", "../x", "/abs", "", ".", "a//b", "x/", "sub", "model.onnx/x"]
 ) | st.text(max_size=10)
