@@ -98,7 +98,7 @@ from pipeline.core.planned_model import PlannedModel
 from pipeline.core.staging import owned_folder, remove_abandoned, unique_name
 
 if TYPE_CHECKING:
-    from pipeline.core.memory import ModelShapes
+    from pipeline.core.shapes import ModelShapes
 
 log = logging.getLogger(__name__)
 

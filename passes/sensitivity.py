@@ -53,8 +53,8 @@ from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, link_tree, wr
 from pipeline.core.base import Pass
 from pipeline.core.config import MAX_BATCH, MAX_REPEATS, MAX_TOKENS, check_int
 from pipeline.core.errors import CalibrationError, ConfigError
-from pipeline.core.memory import ModelShapes
 from pipeline.core.planned_model import PlannedModel
+from pipeline.core.shapes import ModelShapes
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from pipeline.core.errors import PassError
 from pipeline.core.placement import CPU_FLOAT32, Placement, ResolvedPlacement
 
 if TYPE_CHECKING:
-    from pipeline.core.memory import ModelShapes
     from pipeline.core.planned_model import PlannedModel
+    from pipeline.core.shapes import ModelShapes
 
 __all__ = ["Pass", "PassError", "Recipe"]
 

@@ -21,7 +21,6 @@ know nothing of our passes), and psutil has no way to reset the high-water mark.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.core.errors import ConfigError
+from pipeline.core.shapes import DTYPE_BYTES, ModelShapes, model_shapes
 
 if TYPE_CHECKING:
     from pipeline.core.base import Pass
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GIB = 2**30
-DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
 # Resident memory of the pipeline process between passes: python, numpy, torch, transformers, onnx
 # and onnxruntime imported (0.45 GiB measured for the imports alone) plus what earlier passes leave
 # in the allocators. Measured on the default model: 1.0 GiB resident entering AWQ after the
@@ -58,92 +57,6 @@ CGROUP_CURRENT = Path("/sys/fs/cgroup/memory.current")
 
 class InsufficientMemoryError(ConfigError):
     """The preflight's estimate of a pass exceeds the memory available (exit code 2)."""
-
-
-# --------------------------------------------------------------------------------------------
-# Shapes
-
-
-@dataclass(frozen=True)
-class ModelShapes:
-    """What the estimates need from a Llama checkpoint's ``config.json``."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tied: bool
-    source_dtype: str = "float32"
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelShapes:
-        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
-        return cls(
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            vocab_size=int(config["vocab_size"]),
-            tied=bool(config.get("tie_word_embeddings", False)),
-            source_dtype=dtype if dtype in DTYPE_BYTES else "float32",
-        )
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def lm_head_params(self) -> int:
-        return 0 if self.tied else self.vocab_size * self.hidden_size
-
-    @property
-    def block_params(self) -> int:
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        attention = h * self.num_heads * self.head_dim * 2 + h * kv * 2  # q, o; k, v
-        return attention + 3 * h * self.intermediate_size + 2 * h  # gate, up, down; two norms
-
-    @property
-    def parameters(self) -> int:
-        return (
-            self.embedding_params
-            + self.lm_head_params
-            + self.num_layers * self.block_params
-            + self.hidden_size
-        )
-
-    @property
-    def graph_bytes(self) -> int:
-        """The exported fp32 graph's weights: the export unties a tied lm_head (one more copy)."""
-        return (self.parameters + (self.vocab_size * self.hidden_size if self.tied else 0)) * 4
-
-    def kv_bytes(self, tokens: int, batch: int = 1, bytes_per_value: int = 4) -> int:
-        """The KV cache of ``tokens`` positions for ``batch`` sequences."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * tokens * batch * bytes_per_value
-
-    def forward_bytes(self, windows: int, seq_len: int, logits: bool = True) -> int:
-        """Transient fp32 activations of one forward over ``windows`` x ``seq_len`` tokens: one
-        block's intermediates (hidden states, q/k/v, MLP, attention scores) and the logits
-        (not computed by a pass that streams the decoder blocks)."""
-        tokens = windows * seq_len
-        block = tokens * (4 * self.hidden_size + 3 * self.intermediate_size)
-        scores = windows * self.num_heads * seq_len * seq_len
-        return 4 * (block + scores + (tokens * self.vocab_size if logits else 0))
-
-
-def model_shapes(folder: Path) -> ModelShapes | None:
-    """The shapes of the checkpoint in ``folder``; None without a readable Llama ``config.json``
-    (a source the estimate cannot size: the preflight then only logs that it skipped)."""
-    try:
-        config = json.loads((folder / "config.json").read_text())
-        return ModelShapes.from_config(config)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -250,7 +250,8 @@ def pruned_to_one_block(tiny_llama: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 def test_the_memory_preflight_counts_every_rank_on_this_host(student: Artifact) -> None:
-    from pipeline.core.memory import ModelShapes, generic_estimate
+    from pipeline.core.memory import generic_estimate
+    from pipeline.core.shapes import ModelShapes
 
     shapes = ModelShapes.from_config(json.loads((student.path / "config.json").read_text()))
     one = generic_estimate(DistillPass(**EXACT), shapes).host_bytes

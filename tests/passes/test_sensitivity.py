@@ -212,7 +212,8 @@ def test_cli_bad_method_is_one_line(tiny_llama: Path, tmp_path: Path) -> None:
 
 
 def test_memory_estimate_adds_the_fisher_backward_to_the_whole_model(tiny_llama: Path) -> None:
-    from pipeline.core.memory import generic_estimate, model_shapes
+    from pipeline.core.memory import generic_estimate
+    from pipeline.core.shapes import model_shapes
 
     shapes = model_shapes(tiny_llama)
     assert shapes is not None

@@ -22,8 +22,9 @@ from pipeline.core.base import Pass
 from pipeline.core.cache import Cache
 from pipeline.core.errors import ConfigError
 from pipeline.core.manager import PassManager
-from pipeline.core.memory import GIB, InsufficientMemoryError, ModelShapes, model_shapes, preflight
+from pipeline.core.memory import GIB, InsufficientMemoryError, preflight
 from pipeline.core.placement import ResolvedPlacement
+from pipeline.core.shapes import ModelShapes, model_shapes
 from tests.pipeline.passes_for_tests import AppendPass, ToEnginePass, ToGraphPass
 
 REPO = Path(__file__).resolve().parents[2]
