@@ -76,7 +76,7 @@ import numpy as np
 from calibration.datasets import DATASETS, calibration_text
 from passes.prune import holdout_quality
 from pipeline.core.artifacts import Artifact, Kind, folder_digest, sha256_file, write_metadata
-from pipeline.core.base import Pass, without_knobs
+from pipeline.core.base import Pass, Workload, without_knobs
 from pipeline.core.config import register_pass
 from pipeline.core.distributed import (
     LAUNCHERS,
@@ -289,6 +289,15 @@ class DistillPass(Pass):
         if self.config.launcher == "accelerate":
             check_processes("distill.num_processes", self.config.num_processes, self.placement.device_type)
 
+    def workload(self) -> Workload | None:
+        """One micro-batch of training windows, with gradients and AdamW's moments besides."""
+        return Workload(
+            windows=int(self.config.micro_batch_size),
+            seq_len=int(self.config.seq_len),
+            knob=f"{self.config_group or self.name}.micro_batch_size",
+            training=True,
+        )
+
     def estimate_memory(self, shapes: ModelShapes) -> int | None:
         """On the CPU every rank of an accelerate launch shares this host: DDP holds one replica of
         everything per rank; FSDP one teacher per rank but the student's training state (fp32
@@ -384,7 +393,9 @@ class DistillPass(Pass):
                 out_dir,
                 num_processes=self.config.num_processes,
                 timeout_s=self.config.collective_timeout_s,
-                knob="distill",
+                knob=self.config_group or self.name,
+                processes_knob=f"{self.config_group or self.name}.num_processes",
+                timeout_knob=f"{self.config_group or self.name}.collective_timeout_s",
             )
         return self.run_rank(source, out_dir, Group())
 

@@ -59,11 +59,12 @@ from calibration.datasets import (
     token_windows,
 )
 from calibration.observers import DEFAULT_BINS, FP8_E4M3, Observer, TensorStats, channel_amax, compute_amax
+from calibration.workload import CalibratesInRanks
 from passes.selection import check_patterns, select_modules
 from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
 from pipeline.core.base import Pass
 from pipeline.core.config import check_int, check_number
-from pipeline.core.distributed import CalibratesInRanks, Group
+from pipeline.core.distributed import Group
 from pipeline.core.engine import graph_io
 from pipeline.core.errors import CalibrationError, PassError
 from pipeline.core.graph_io import (

@@ -34,6 +34,7 @@ import numpy as np
 
 from calibration.datasets import CalibrationConfig, check_context, shard
 from calibration.streaming import ForwardTime, LayerInputs, capture_first_block_inputs
+from calibration.workload import CalibratesInRanks
 from passes.export import EXTRAS_DIR  # export copies extras/ into the graph artifact
 from passes.formats.int4 import (
     BITS,
@@ -51,7 +52,7 @@ from passes.formats.int4 import (
 from passes.selection import select_modules
 from pipeline.core.artifacts import Artifact, Kind, write_metadata
 from pipeline.core.base import Pass
-from pipeline.core.distributed import CalibratesInRanks, Group
+from pipeline.core.distributed import Group
 from pipeline.core.errors import CalibrationError, ConfigError, PassError
 from pipeline.core.planned_model import PlannedModel
 from pipeline.core.torch_model import LM_HEAD, linear_layers

@@ -49,8 +49,9 @@ from calibration.datasets import (
     recorded,
     token_windows,
 )
+from calibration.workload import CalibratesOnWindows
 from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_metadata
-from pipeline.core.base import Pass
+from pipeline.core.base import Pass, Workload
 from pipeline.core.config import MAX_TOKENS, _is_int, register_pass
 from pipeline.core.errors import PassError
 from pipeline.core.graph_io import check_data_files, link_graph_folder
@@ -135,13 +136,20 @@ ALREADY_FUSED = (
 )  # present.<layer>.key, present.<layer>.value: the graph's output order
 
 
-class KvCachePass(Pass):
+class KvCachePass(CalibratesOnWindows, Pass):
     Config = KvCacheConfig
     name = "kv_cache"
+    knob_group = "kv_cache"
     version = 3  # 3: the input's files hard-linked, not copied
     memory_profile = "graph"  # files linked; int8/fp8 calibrate in an ONNX Runtime session
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
+
+    def workload(self) -> Workload | None:
+        """Only the int8 and fp8 caches calibrate (their amax)."""
+        if KvDtype(self.config.dtype) not in (KvDtype.int8, KvDtype.fp8):
+            return None
+        return super().workload()
 
     def drift_family(self) -> str:
         """A cache stored in fewer bits moves the attention it feeds: bits16 / bits8."""

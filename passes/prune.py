@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from calibration.datasets import CalibrationConfig, check_context, check_windows, token_windows
+from calibration.workload import CalibratesOnWindows
 from pipeline.core.artifacts import Artifact, Kind, write_metadata
 from pipeline.core.base import Pass
 from pipeline.core.config import MAX_BATCH, register_pass
@@ -347,11 +348,12 @@ def holdout_quality(teacher: Any, student: Any, windows: np.ndarray) -> dict[str
     }
 
 
-class PrunePass(Pass):
+class PrunePass(CalibratesOnWindows, Pass):
     """Torch -> torch: the pruned checkpoint."""
 
     Config = PruneConfig
     name = "prune"
+    knob_group = "prune"
     drift = "pruned"
     version = 2  # 2: the teacher (path, digest) in the metadata, for distill
     consumes = Kind.TORCH

@@ -48,9 +48,10 @@ from typing import Any
 
 from calibration.datasets import CalibrationConfig, check_context
 from calibration.sensitivity import FallbackResult, LayerQuantizer, SensitivityProbe
+from calibration.workload import CalibratesOnWindows
 from passes.selection import FALLBACK_FILE, select_modules
 from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, link_tree, write_json, write_metadata
-from pipeline.core.base import Pass
+from pipeline.core.base import Pass, Workload
 from pipeline.core.config import MAX_BATCH, MAX_REPEATS, MAX_TOKENS, check_int
 from pipeline.core.errors import CalibrationError, ConfigError
 from pipeline.core.planned_model import PlannedModel
@@ -236,7 +237,7 @@ def layer_quantizer(config: SensitivityPassConfig, weight_only: bool, input_absm
     return LayerQuantizer(weight, lambda x: torch_fake_quant(fmt, x, input_absmax))
 
 
-class SensitivityPass(Pass):
+class SensitivityPass(CalibratesOnWindows, Pass):
     """torch -> torch: the same checkpoint plus the per-layer scan (and the fallback layers)."""
 
     Config = SensitivityPassConfig
@@ -246,6 +247,15 @@ class SensitivityPass(Pass):
     produces = Kind.TORCH
     placement_knobs = ("device", "torch_dtype")
     loads_module_by_module = True  # StreamedCheckpoint.load_model
+
+    def workload(self) -> Workload | None:
+        """The scan's windows (``quant.sensitivity``), not the calibration's."""
+        sensitivity = self.config.sensitivity
+        return Workload(
+            windows=int(sensitivity.num_samples),
+            seq_len=int(sensitivity.seq_len),
+            knob=f"{self.config_group or self.knob_group}.sensitivity.num_samples",
+        )
 
     def estimate_memory(self, shapes: ModelShapes) -> int | None:
         """The generic whole-model estimate plus what the scan adds to it: the Fisher backward's

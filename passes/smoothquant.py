@@ -59,11 +59,12 @@ import numpy as np
 
 from calibration.datasets import CalibrationConfig, check_context, recorded, shard, token_windows
 from calibration.streaming import ForwardTime
+from calibration.workload import CalibratesInRanks
 from passes.selection import check_patterns, matches
 from pipeline.core.artifacts import Artifact, Kind, write_json, write_metadata
 from pipeline.core.base import Pass
 from pipeline.core.config import MAX_BATCH, check_number
-from pipeline.core.distributed import CalibratesInRanks, Group
+from pipeline.core.distributed import Group
 from pipeline.core.errors import CalibrationError, PassError
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 from pipeline.core.planned_model import PlannedModel

@@ -22,7 +22,30 @@ if TYPE_CHECKING:
     from pipeline.core.planned_model import PlannedModel
     from pipeline.core.shapes import ModelShapes
 
-__all__ = ["Pass", "PassError", "Recipe"]
+__all__ = ["Pass", "PassError", "Ranks", "Recipe", "Workload"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The activations a pass runs its model over, as the kernel needs them: the memory preflight
+    (:mod:`pipeline.core.memory`) sizes them, and a refusal names ``knob`` as what lowers them.
+    A pass says this through :meth:`Pass.workload`, so the kernel reads none of its knobs."""
+
+    windows: int  # sequences held at once (calibration windows, a training micro-batch)
+    seq_len: int  # tokens each
+    knob: str  # the knob that sets ``windows``, as the user writes it ("quant.calibration.num_samples")
+    training: bool = False  # gradients, optimizer moments and saved activations besides (distillation)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """How many processes a pass's calibration asks for, and over how many windows: the manager
+    checks them against the pass (:attr:`Pass.calibrates_in_ranks`) and the machine."""
+
+    processes: int
+    knob: str  # the knob that sets ``processes`` ("quant.calibration.num_processes")
+    windows: int
+    windows_knob: str  # the knob that sets ``windows`` ("quant.calibration.num_samples")
 
 
 class Pass(ABC):
@@ -50,11 +73,8 @@ class Pass(ABC):
     # which launcher; "a.b" names field b of the nested config a, absent ones are skipped): left out
     # of its cache key, so a rerun with other values reuses the output and resumes the checkpoints
     # of an interrupted run. They stay in the recorded config.
-    execution_knobs: ClassVar[tuple[str, ...]] = (
-        "calibration.num_processes",
-        "calibration.collective_timeout_s",
-    )
-    # Whether the pass splits its calibration windows over ``calibration.num_processes`` ranks
+    execution_knobs: ClassVar[tuple[str, ...]] = ()
+    # Whether the pass splits its calibration windows over the processes :meth:`ranks` names
     # (a ``run_rank(source, out_dir, group)`` reducing its statistics across them); the manager
     # refuses more than one process for any other pass.
     calibrates_in_ranks: ClassVar[bool] = False
@@ -114,6 +134,15 @@ class Pass(ABC):
         """This pass's peak memory in bytes for a checkpoint of ``shapes`` (host memory, at
         ``self.placement``), for a pass that knows better than the generic estimate from
         :attr:`memory_profile` and its calibration config (``pipeline.core.memory``). Default: None."""
+        return None
+
+    def workload(self) -> Workload | None:
+        """The windows this pass runs its model over (calibration, training), for the memory
+        preflight; None for a pass that runs none. Default: None."""
+        return None
+
+    def ranks(self) -> Ranks | None:
+        """The processes this pass's calibration asks for; None for one. Default: None."""
         return None
 
     def check_model(self, facts: PlannedModel) -> PlannedModel:

@@ -289,11 +289,15 @@ def launch(
     num_processes: int,
     timeout_s: float,
     knob: str,
+    processes_knob: str,
+    timeout_knob: str,
 ) -> dict[str, Any]:
     """Run ``step.run_rank`` in ``num_processes`` ranks under ``accelerate launch``; rank 0's
-    metrics. ``knob`` prefixes messages (the pass's config group, e.g. ``distill``)."""
+    metrics. ``knob`` prefixes messages (the pass's config node, e.g. ``distill``);
+    ``processes_knob`` and ``timeout_knob`` are the knobs that set ``num_processes`` and
+    ``timeout_s``, as messages name them (the pass knows them; the kernel does not)."""
     device_type = step.placement.device_type
-    check_processes(f"{knob}.num_processes", num_processes, device_type)
+    check_processes(processes_knob, num_processes, device_type)
     with tempfile.TemporaryDirectory(prefix="pipeline-ranks-") as folder:
         work = Path(folder)
         spec = {
@@ -326,7 +330,7 @@ def launch(
         )
         code, tail = _run(command, env, work)
         if code != 0:
-            raise _failure(work, tail, num_processes, code, knob)
+            raise _failure(work, tail, num_processes, code, knob, timeout_knob)
         result = work / RESULT_FILE
         if not result.is_file():
             raise PassError(f"{knob}: the {num_processes}-process launch ended without rank 0's result")
@@ -341,36 +345,6 @@ def _read_int(path: Path) -> int | None:
         return int(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-class CalibratesInRanks:
-    """Mixin of a pass (listed before ``Pass``) whose ``run_rank(source, out_dir, group)`` splits
-    its calibration windows over ``calibration.num_processes`` ranks and reduces the statistics:
-    ``run`` launches the ranks, or runs inline for one process."""
-
-    calibrates_in_ranks = True
-
-    def run(self, source: Any, out_dir: Path) -> dict[str, Any]:
-        launched = launch_calibration(self, source, out_dir)
-        return launched if launched is not None else self.run_rank(source, out_dir, Group())  # type: ignore[attr-defined]
-
-
-def launch_calibration(step: Any, source: Any, out_dir: Path) -> dict[str, Any] | None:
-    """For a pass configured with ``calibration`` (``num_processes``, ``collective_timeout_s``): its
-    :func:`launch` over that many ranks, or None for one process (the caller runs inline)."""
-    calibration = step.config.calibration
-    if calibration.num_processes == 1:
-        return None
-    if not step.calibrates_in_ranks:  # the manager refuses it first; a direct call too
-        raise PassError(f"{step.name} calibrates in one process; set calibration.num_processes=1")
-    return launch(
-        step,
-        source,
-        out_dir,
-        num_processes=calibration.num_processes,
-        timeout_s=calibration.collective_timeout_s,
-        knob=f"{step.config_group or 'quant'}.calibration",
-    )
 
 
 def _run(command: list[str], env: dict[str, str], work: Path) -> tuple[int, str]:
@@ -446,7 +420,7 @@ SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # gloo's "[..
 FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n[^\n]*exitcode\s*:\s*(-?\d+)")
 
 
-def _failure(work: Path, tail: str, world: int, code: int, knob: str) -> PipelineError:
+def _failure(work: Path, tail: str, world: int, code: int, knob: str, timeout_knob: str) -> PipelineError:
     """One line for a failed launch: a rank's own user error verbatim, else the rank that was
     killed or the first rank's error, else the launch's last line."""
     errors: dict[int, dict[str, Any]] = {}
@@ -476,7 +450,7 @@ def _failure(work: Path, tail: str, world: int, code: int, knob: str) -> Pipelin
         rank = min(errors)
         message = SOURCE_LOCATION.sub("", errors[rank]["message"])
         if "timed out" in message.lower():
-            message += f" (another rank stopped answering for {knob}.collective_timeout_s)"
+            message += f" (another rank stopped answering for {timeout_knob})"
         return PassError(f"{prefix}: rank {rank}: {message}")
     lines = [line.strip() for line in tail.splitlines() if line.strip()]
     return PassError(f"{prefix} with exit code {code}: {lines[-1] if lines else 'no output'}")

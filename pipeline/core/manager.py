@@ -88,22 +88,21 @@ def check_against_model(passes: list[Pass], source: Artifact) -> None:
 
 
 def _check_calibration_processes(step: Pass) -> None:
-    """One line unless ``calibration.num_processes`` suits the pass and the machine."""
-    calibration = getattr(step.config, "calibration", None)
-    processes = getattr(calibration, "num_processes", 1)
-    if processes == 1:
+    """One line unless the processes the pass's calibration asks for suit the pass and the machine."""
+    ranks = step.ranks()
+    if ranks is None or ranks.processes == 1:
         return
-    knob = f"{step.config_group or step.name}.calibration.num_processes"
+    knob, processes = ranks.knob, ranks.processes
     if not step.calibrates_in_ranks:
         raise ConfigError(
             f"{knob}={processes}: pass '{step.name}' calibrates in one process with this config "
             f"(several processes: quant=fp8, quant=int8, quant=int4_gptq, quant=int4_awq with "
             f"objective=linear); set {knob}=1"
         )
-    if calibration.num_samples < processes:
+    if ranks.windows < processes:
         raise ConfigError(
-            f"{knob}={processes} exceeds calibration.num_samples={calibration.num_samples}: every "
-            "process needs a window; lower the processes or raise the samples"
+            f"{knob}={processes} exceeds {ranks.windows_knob}={ranks.windows}: every process needs "
+            "a window; lower the processes or raise the samples"
         )
     check_processes(knob, processes, step.placement.device_type)
 

@@ -82,35 +82,6 @@ def _bytes_of(dtype: str) -> int:
     return DTYPE_BYTES.get(dtype, 4)
 
 
-def _windows(step: Pass) -> tuple[int, int, str] | None:
-    """(windows, tokens each, knob) of the activations a pass calibrates or trains on."""
-    config = step.config
-    sensitivity = getattr(config, "sensitivity", None)
-    if step.name == "sensitivity" and sensitivity is not None:
-        return int(sensitivity.num_samples), int(sensitivity.seq_len), "quant.sensitivity.num_samples"
-    if getattr(config, "micro_batch_size", None) is not None and getattr(config, "seq_len", None):
-        return int(config.micro_batch_size), int(config.seq_len), f"{_group(step)}.micro_batch_size"
-    calibration = getattr(config, "calibration", None)
-    samples, seq_len = getattr(calibration, "num_samples", None), getattr(calibration, "seq_len", None)
-    if samples is None or seq_len is None:
-        return None
-    if step.name == "kv_cache" and str(getattr(config, "dtype", "fp32")).rsplit(".", 1)[-1] in (
-        "fp32",
-        "fp16",
-    ):
-        return None  # only the int8/fp8 caches calibrate
-    return int(samples), int(seq_len), f"{_group(step)}.calibration.num_samples"
-
-
-# The config group of a pass built outside ``build_passes`` (no ``config_group``), for the knob a
-# refusal names: the recipe expansions live under quant.
-GROUP_OF_PASS = {"prune": "prune", "distill": "distill", "kv_cache": "kv_cache", "fusion": "fusion"}
-
-
-def _group(step: Pass) -> str:
-    return step.config_group or GROUP_OF_PASS.get(step.name, "quant")
-
-
 def generic_estimate(step: Pass, shapes: ModelShapes, index: int = 0) -> Estimate:
     """The estimate from the pass's ``memory_profile``, placement and calibration config."""
     profile = step.memory_profile
@@ -157,15 +128,15 @@ def generic_estimate(step: Pass, shapes: ModelShapes, index: int = 0) -> Estimat
         parts["session"] = shapes.forward_bytes(1, PARITY_TOKENS)
     if weights:
         (device if on_gpu else parts)["weights"] = weights
-    windows = _windows(step)
-    if windows is not None:
-        count, seq_len, _ = windows
+    workload = step.workload()
+    if workload is not None:
+        count, seq_len = workload.windows, workload.seq_len
         if torch_pass:
             # One layer's inputs for every window (what a block-streamed pass keeps), fp32, plus
             # the transient forward of one batch of windows.
             stored = 2 * count * seq_len * shapes.hidden_size * 4
             transient = shapes.forward_bytes(min(count, CALIBRATION_BATCH), seq_len, profile != "block")
-            if getattr(step.config, "micro_batch_size", None) is not None:
+            if workload.training:
                 # Training (distillation): gradients and AdamW's two moments in fp32, the teacher at
                 # the compute dtype, and every layer's activations saved for the backward.
                 tokens = count * seq_len
@@ -213,19 +184,19 @@ def bench_estimate(
 
 def refusal_knob(step: Pass, estimate: Estimate) -> str:
     """The setting that lowers this pass's peak, as a refusal names it."""
-    windows = _windows(step)
+    workload = step.workload()
     activations = estimate.parts.get("activations", 0) + estimate.parts.get("gpu activations", 0)
     weights = estimate.parts.get("weights", 0) + estimate.parts.get("gpu weights", 0)
-    if windows is not None and activations >= weights:
-        return f"lower {windows[2]} (now {windows[0]})"
+    if workload is not None and activations >= weights:
+        return f"lower {workload.knob} (now {workload.windows})"
     if step.placement_knobs:
         if step.placement.device_type == "cpu" and step.placement.torch_dtype == "float32":
             return "set pipeline.torch_dtype=bfloat16 (halves the weights) or pipeline.device=cuda on a GPU"
         if step.placement.device_type == "cpu":
             return "set pipeline.device=cuda on a GPU"
         return "set pipeline.device=cpu (host memory) or pipeline.torch_dtype=bfloat16"
-    if windows is not None:
-        return f"lower {windows[2]} (now {windows[0]})"
+    if workload is not None:
+        return f"lower {workload.knob} (now {workload.windows})"
     return "run on a machine with more memory"
 
 

@@ -147,7 +147,7 @@ def test_a_pass_that_calibrates_in_one_process_refuses_more(tiny_source: Artifac
     with pytest.raises(ConfigError, match=one_process):
         check(AwqPass(group_size=32, objective="block", calibration=TWO_INT4))
     with pytest.raises(
-        ConfigError, match=r"exceeds calibration\.num_samples=1: every process needs a window"
+        ConfigError, match=r"exceeds quant\.calibration\.num_samples=1: every process needs a window"
     ):
         check(GptqPass(group_size=32, calibration={"num_samples": 1, "num_processes": 2}))
     cores = len(os.sched_getaffinity(0))

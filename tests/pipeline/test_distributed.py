@@ -48,7 +48,7 @@ def test_a_killed_rank_is_the_cause_whichever_failure_the_agent_saw_first(tmp_pa
     killed_first = agent_report([(0, 1)], root=(1, -9))
     peer_first = agent_report([(1, -9)], root=(0, 1))
     for tail in (killed_first, peer_first):
-        assert str(_failure(tmp_path, tail, 2, 1, "distill")) == KILLED
+        assert str(_failure(tmp_path, tail, 2, 1, "distill", "distill.collective_timeout_s")) == KILLED
 
 
 def test_a_rank_that_failed_on_its_own_is_named_with_its_error_without_the_source_location(
@@ -56,7 +56,9 @@ def test_a_rank_that_failed_on_its_own_is_named_with_its_error_without_the_sourc
 ) -> None:
     write_error(tmp_path, 1, "[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv")
     tail = agent_report([(0, -15)], root=(1, 1))
-    assert str(_failure(tmp_path, tail, 2, 1, "quant.calibration")) == (
+    assert str(
+        _failure(tmp_path, tail, 2, 1, "quant.calibration", "quant.calibration.collective_timeout_s")
+    ) == (
         "quant.calibration: the 2-process launch failed: rank 1: Timed out waiting 5000ms for recv "
         "(another rank stopped answering for quant.calibration.collective_timeout_s)"
     )
@@ -66,14 +68,14 @@ def test_a_user_error_in_any_rank_is_the_line_verbatim(tmp_path: Path) -> None:
     write_error(tmp_path, 0, LOST_PEER)
     write_error(tmp_path, 1, "distill.seq_len=10000000: the calibration text holds 3 windows", user=True)
     tail = agent_report([(0, 1)], root=(1, 1))
-    assert str(_failure(tmp_path, tail, 2, 1, "distill")) == (
+    assert str(_failure(tmp_path, tail, 2, 1, "distill", "distill.collective_timeout_s")) == (
         "distill.seq_len=10000000: the calibration text holds 3 windows"
     )
 
 
 def test_without_a_report_the_launch_is_its_last_line(tmp_path: Path) -> None:
     tail = "usage: accelerate launch ...\naccelerate: error: unrecognized arguments: --bad\n"
-    assert str(_failure(tmp_path, tail, 2, 2, "distill")) == (
+    assert str(_failure(tmp_path, tail, 2, 2, "distill", "distill.collective_timeout_s")) == (
         "distill: the 2-process launch failed with exit code 2: "
         "accelerate: error: unrecognized arguments: --bad"
     )
