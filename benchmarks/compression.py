@@ -4,16 +4,16 @@ and the teacher decoding with a ``speculative=draft`` draft.
 
 What one run does:
 
-1. **Build** every row with the real CLI, one subprocess each (``benchmarks/quantization.py``
-   ``build_recipe``: ``python -m pipeline model=llama quant=none <overrides> bench=none``). The
-   pipeline cache keeps pruned, distilled and draft checkpoints, so only the first run trains
-   (each ``distill=kd`` about 17 min alone on 2 cores); ``--steps N`` sets every distillation's
+1. **Build** every row with the real CLI, one subprocess each (``benchmarks.common.build_recipe``:
+   ``python -m pipeline model=llama quant=none <overrides> bench=none``). The pipeline cache keeps
+   pruned, distilled and draft checkpoints, so only the first run trains (every ``distill=kd``:
+   its time is in ``benchmarks/README.md``); ``--steps N`` sets every distillation's
    steps (the students' and the draft's). Each run scores its engine against the reference
    engine (the same recipe without prune/distill: the teacher's engine) on the held-out text:
    perplexity of both, mean KL(teacher || student) per token and top-1 agreement
    (``evals.agreement``; the quality record of the run manifest).
 2. **Measure** every engine in this one process, batch 1, greedy, interleaved across engines
-   (``benchmarks/quantization.py`` ``measure_speed``): TTFT@512 and TPOT over 64 tokens after
+   (``benchmarks.common.measure_speed``): TTFT@512 and TPOT over 64 tokens after
    a 128-token random prompt, medians over ``--repeats``; the ``+draft`` row decodes
    speculatively there.
 3. **Speculative decoding** on text: the ``+draft`` engine decodes 64 tokens after each of
@@ -27,33 +27,38 @@ back: ``(ppl_pruned - ppl_distilled) / (ppl_pruned - ppl_teacher)``, from the ``
 
 Run from the repository root::
 
-    python benchmarks/compression.py --repeats 3
+    python -m benchmarks.compression --repeats 3
+
+The command and the recorded results: ``benchmarks/README.md`` (compression).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from quantization import (
+from benchmarks.common import (
     REPO,
     Contestant,
     UsageError,
+    add_run_arguments,
     build_recipe,
+    cpu_line,
+    format_load,
+    load_average,
+    load_line,
+    make_parser,
     measure_speed,
+    print_lines,
     quality_config,
     run_and_report,
     score,
 )
-
 from pipeline.bench import host_info, speculative_benchmark, summarize
 from pipeline.config import BenchConfig
 from pipeline.runtime import Engine
@@ -96,7 +101,7 @@ def parameters(row: Contestant) -> dict[str, int | None]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out: Path = (REPO / args.out).resolve() if not args.out.is_absolute() else args.out
     out.mkdir(parents=True, exist_ok=True)
-    load_at_start = os.getloadavg()
+    load_at_start = load_average()
     started = time.perf_counter()
     rows = [
         build_recipe("none", out, args.build_timeout, label, overrides_for(label, base, args))
@@ -173,7 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "manifest": (drafted.manifest or {}).get("speculative"),
         },
         "speculative": speculative,
-        "load_average": {"at_start": [round(x, 2) for x in load_at_start], **timing["load_average"]},
+        "load_average": {"at_start": load_at_start, **timing["load_average"]},
         "measure_seconds": timing["seconds"],
         "total_seconds": round(time.perf_counter() - started, 1),
         "host": host_info(),
@@ -233,33 +238,22 @@ def print_report(record: dict[str, Any]) -> None:
         )
     load, host = record["load_average"], record["host"]
     lines.append(
-        f"load average before measuring {load['before']}, after {load['after']} "
-        f"(at start {load['at_start']}); {host['cpu']}, {host['logical_cores']} logical cores; "
+        f"{load_line(load['before'], load['after'])} while measuring "
+        f"(at start, before builds: {format_load(load['at_start'])}); "
         f"ORT threads {record['config']['threads']}"
     )
-    for line in lines:
-        console.print(line, highlight=False, soft_wrap=True)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see --help)\n")
+    lines.append(cpu_line(host))
+    print_lines(console, lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _Parser(prog="python benchmarks/compression.py", description=(__doc__ or "").splitlines()[0])
+    parser = make_parser(__file__, __doc__)
     parser.add_argument("--steps", type=int, help="distillation steps of every distilled row and the draft")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (speculative.k)")
     parser.add_argument(
         "--prompts", type=int, default=3, help="held-out text prompts for speculative decoding"
     )
-    parser.add_argument("--repeats", type=int, default=3, help="measured runs per engine (median)")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured runs first")
-    parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="run folders and build logs")
-    parser.add_argument("--build-timeout", type=int, default=4 * 3600, help="seconds per build")
-    parser.add_argument("--json", type=Path, help="also write every number here")
+    add_run_arguments(parser, DEFAULT_OUT, build_timeout=4 * 3600)
     args = parser.parse_args(argv)
     if min(args.repeats, args.threads, args.k, args.prompts, args.build_timeout) < 1 or args.warmup < 0:
         parser.error("--repeats, --threads, --k, --prompts and --build-timeout must be >= 1, --warmup >= 0")

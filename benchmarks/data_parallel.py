@@ -8,26 +8,24 @@ Calibration (``--part calibration``): quant=int8's SmoothQuant and quant=int4_gp
 its wall and CPU seconds in calibration forwards (what data parallelism divides), and the pass's
 seconds in all.
 
-    python benchmarks/data_parallel.py --part distill calibration --steps 20 [--model ...] [--json out.json]
+    python -m benchmarks.data_parallel --part distill calibration --steps 20 [--model ...] [--json out.json]
 
 The pruned student comes from the pipeline cache (``artifacts/cache``; computed once). The distill
 runs are not cached (they run the pass directly, without checkpoints), one after another, so each
 has the 2 cores to itself; the load average is printed before and after.
+
+The command and the recorded results: ``benchmarks/README.md`` (data_parallel).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import REPO, load_average, load_line, make_parser, write_record
 
 # One micro-batch a step in every process (8 sequences inline, 4 in each of 2 ranks).
 CONTESTANTS = {
@@ -48,7 +46,7 @@ def pruned_student(model: Path) -> Any:
     step.config_group = "prune"
     validate([step], Kind.TORCH, final_kind=None)  # the recipe stops at the torch student
     source = Artifact.from_dir(Kind.TORCH, model)
-    result, _ = PassManager([step], Cache(ROOT / "artifacts" / "cache"))._run_one(1, step, source)
+    result, _ = PassManager([step], Cache(REPO / "artifacts" / "cache"))._run_one(1, step, source)
     return result
 
 
@@ -107,9 +105,9 @@ def calibration_part(model: Path) -> dict[str, Any]:
     for label, row in rows.items():
         one = rows[label.replace("x2", "x1")]
         ratio = row["forward_cpu_seconds"] / max(one["forward_cpu_seconds"], 1e-9)
-        recipe, processes = label.split(" x")
+        name, ranks = label.split(" x")
         print(
-            f"| {recipe} | {processes} | {row['windows']} | {row['forward_seconds']} | "
+            f"| {name} | {ranks} | {row['windows']} | {row['forward_seconds']} | "
             f"{row['forward_cpu_seconds']} | {ratio:.2f} | {row['seconds']} |"
         )
     return rows
@@ -155,7 +153,7 @@ def distill_part(model: Path, steps: int, only: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__file__, __doc__)
     parser.add_argument("--model", type=Path, default=None, help="default: newest artifacts/models/llama-*")
     parser.add_argument(
         "--part", nargs="+", default=["distill", "calibration"], choices=["distill", "calibration"]
@@ -165,17 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     model = args.model or max(
-        (ROOT / "artifacts" / "models").glob("llama-*"), key=lambda p: p.stat().st_mtime
+        (REPO / "artifacts" / "models").glob("llama-*"), key=lambda p: p.stat().st_mtime
     )
-    record: dict[str, Any] = {"model": str(model), "steps": args.steps, "load_before": os.getloadavg()}
+    record: dict[str, Any] = {"model": str(model), "steps": args.steps, "load_before": load_average()}
     if "distill" in args.part:
         record["distill"] = distill_part(model, args.steps, args.only)
     if "calibration" in args.part:
         record["calibration"] = calibration_part(model)
-    record["load_after"] = os.getloadavg()
-    print(f"\nload average before {record['load_before'][0]:.2f}, after {record['load_after'][0]:.2f}")
+    record["load_after"] = load_average()
+    print(f"\n{load_line(record['load_before'], record['load_after'])}")
     if args.json:
-        args.json.write_text(json.dumps(record, indent=1))
+        write_record(args.json, record)
     return 0
 
 

@@ -11,8 +11,10 @@ each context, ONNX Runtime's profile of the decode steps by op type (``enable_pr
 profiler slows each node a little, so its milliseconds are shares, not the TPOT). A TPOT near the floor cannot
 drop much on this machine without fewer bytes; a gap shows which kernel to look at.
 
-    python benchmarks/decode_floor.py --engine <engine folder> [--contexts 256 1024 4096]
+    python -m benchmarks.decode_floor --engine <engine folder> [--contexts 256 1024 4096]
         [--new-tokens 32] [--repeats 3] [--json out.json]
+
+The command and the recorded results: ``benchmarks/README.md`` (decode_floor).
 """
 
 from __future__ import annotations
@@ -27,10 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from recording import measure_and_report  # noqa: E402  (beside this script)
+from benchmarks.common import load_line, make_parser, measure_and_report, ort_model
 
 GIB = 2**30
 
@@ -104,7 +103,7 @@ def decode_profile(engine: Any, prompt: list[int], new_tokens: int) -> dict[str,
         finally:
             runtime.session_options = original
         profiled_engine.generate_ids([prompt], GenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False))
-        events = json.loads(Path(profiled_engine.model.session.end_profiling()).read_text())
+        events = json.loads(Path(ort_model(profiled_engine).session.end_profiling()).read_text())
     runs = [e for e in events if e.get("name") == "model_run"]
     decode_start = runs[1]["ts"]  # run 0 is the prefill
     by_op: collections.Counter[str] = collections.Counter()
@@ -185,13 +184,12 @@ def print_table(record: dict[str, Any]) -> None:
             f"{row['context']:>8} {row['bytes_per_step'] / 2**20:>9.1f} {row['floor_ms']:>9.2f} "
             f"{row['tpot_ms']:>8.2f} {row['tpot_vs_floor']:>10.2f}x  {top}"
         )
-    load = " -> ".join("/".join(f"{x:.1f}" for x in record[k]) for k in ("load_before", "load_after"))
     runs = f"median of {record['repeats']} runs of {record['new_tokens']} tokens"
-    print(f"load average (1/5/15 min) {load}; TPOT: {runs}")
+    print(f"{load_line(record['load_before'], record['load_after'])}; TPOT: {runs}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__file__, __doc__)
     parser.add_argument("--engine", type=Path, required=True, help="an ort-cpu engine folder (engine.json)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -205,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--engine {args.engine}: no engine.json there (an engine folder of a pipeline run)")
     if args.repeats < 1 or min(args.contexts) < 1 or args.new_tokens < 2 or args.bandwidth_mib < 1:
         parser.error("--repeats, --contexts and --bandwidth-mib must be at least 1, --new-tokens at least 2")
-    return measure_and_report(lambda: measure(args), print_table, args.json)
+    return measure_and_report(args, measure, print_table)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ Rows (each built with the real CLI, ``bench=none``, so reruns come from the pipe
   ``genai_config.json`` asks for;
 - ``llama.cpp Q4_1`` and ``llama.cpp Q8_0``: the default model's own GGUF and llama.cpp's Q8_0 of
   it, in llama-cpp-python built with the machine's native instructions
-  (``benchmarks/llamacpp_peer.py``; ``--no-llama-cpp`` leaves them out).
+  (``benchmarks.llamacpp_peer``; ``--no-llama-cpp`` leaves them out).
 
 Measured per row, interleaved per repeat (A B C ..., A B C ...), medians over ``--repeats`` after
 ``--warmup``: TTFT (prefill + first token) at ``--ttft`` lengths; TPOT (mean time per decoded token
@@ -23,14 +23,15 @@ the longest context (a shared buffer holds ``max_length``), and the peak RSS of 
 while it decodes after the longest context, measured after loading (``--no-memory`` skips it). Ratios
 are against the builder of the same precision and against llama.cpp Q4_1 (<1: faster than it).
 
-    python benchmarks/fusion.py [--contexts 256 1024 4096] [--ttft 512 2048] [--repeats 3]
+    python -m benchmarks.fusion [--contexts 256 1024 4096] [--ttft 512 2048] [--repeats 3]
         [--warmup 1] [--threads 2] [--int4 int4_awq] [--only 'fp32 fused'] [--json out.json]
+
+The command and the recorded results: ``benchmarks/README.md`` (fusion).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -40,20 +41,24 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import llamacpp_peer
-from quantization import (
+from benchmarks import llamacpp_peer
+from benchmarks.common import (
     REPO,
     Contestant,
     GenAIModelEngine,
     UsageError,
+    add_run_arguments,
     build_builder_model,
     build_recipe,
+    child_rss,
+    load_average,
+    load_line,
+    make_parser,
     make_prompt,
+    peak_rss_script,
+    run_and_report,
     timing_record,
 )
-
 from pipeline.runtime.generate import GenerationConfig
 from pipeline.runtime.ort import Engine
 
@@ -91,35 +96,16 @@ def rows_to_build(int4: str) -> list[tuple[str, str, tuple[str, ...], str]]:
     ]
 
 
-# Memory is measured in a fresh process per engine: load; reset the kernel's resident-set
-# high-water mark (Linux ``/proc/self/clear_refs``: "5"); one prefill of N tokens and two decode
-# steps; then the high-water mark (VmHWM). Loading alone peaks higher (session creation
-# optimizes a copy of the graph), so the process-lifetime peak would hide the cache. Printed:
-# RSS after loading and the peak while decoding, bytes.
-PEAK_RSS_CHILD = """
-import sys
-from pipeline.runtime.generate import GenerationConfig
-from pipeline.runtime.ort import Engine
-
-def status(field):
-    line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-engine = Engine(sys.argv[1], threads=int(sys.argv[3]))
-loaded = status("VmRSS")
-with open("/proc/self/clear_refs", "w") as refs:
-    refs.write("5")
-n = int(sys.argv[2])
-prompt = [[(7919 * i) % engine.io.vocab_size for i in range(n)]]
-engine.generate_ids(prompt, GenerationConfig(max_new_tokens=2, stop_at_eos=False))
-print(loaded, status("VmHWM"))
-"""
+# Memory is measured in a fresh process per engine (``benchmarks.common.peak_rss_script``).
+PEAK_RSS_CHILD = peak_rss_script(
+    "from pipeline.runtime.ort import Engine\nengine = Engine(sys.argv[1], threads=int(sys.argv[3]))"
+)
 
 
 def peak_rss(folder: Path, tokens: int, threads: int) -> dict[str, int]:
     """Resident memory of a fresh process after loading the engine, and its peak while it
     decodes after ``tokens`` tokens (Linux only)."""
-    return llamacpp_peer.child_rss(PEAK_RSS_CHILD, [str(folder), str(tokens), str(threads)], REPO)
+    return child_rss(PEAK_RSS_CHILD, [str(folder), str(tokens), str(threads)], REPO)
 
 
 def kv_bytes(engine: Engine, tokens: int) -> int:
@@ -139,7 +125,7 @@ def measure(rows: list[Contestant], args: argparse.Namespace) -> dict[str, Any]:
     context_prompts = {n: make_prompt(rng, vocab, n) for n in args.contexts}
     one = GenerationConfig(max_new_tokens=1, stop_at_eos=False)
     decode = GenerationConfig(max_new_tokens=args.decode_tokens + 1, stop_at_eos=False)
-    load_before = os.getloadavg()
+    load_before = load_average()
     started = time.perf_counter()
     runs = args.warmup + args.repeats
     bar = tqdm(total=runs * len(rows), desc="measure", unit="engine-run", file=sys.stderr)
@@ -209,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             entry["kv_layout"] = row.engine.io.kv_layout
             entry["kv_dtype"] = row.engine.io.kv_dtype
             if row.kind == "llama.cpp":
-                entry["kv_cache_bytes_at_longest_context"] = row.engine.kv_cache_bytes()  # type: ignore[union-attr]
+                entry["kv_cache_bytes_at_longest_context"] = row.engine.kv_cache_bytes()  # type: ignore[attr-defined]
                 if args.memory:
                     entry["memory_bytes"] = llamacpp_peer.peak_rss(
                         row.folder,  # type: ignore[arg-type]
@@ -218,7 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         REPO,
                     )
             else:
-                entry["kv_cache_bytes_at_longest_context"] = kv_bytes(row.engine, max(args.contexts))  # type: ignore[arg-type]
+                entry["kv_cache_bytes_at_longest_context"] = kv_bytes(row.engine, max(args.contexts))
                 if args.memory and row.kind != "builder":
                     entry["memory_bytes"] = peak_rss(row.folder, max(args.contexts), args.threads)  # type: ignore[arg-type]
             if row.manifest:
@@ -315,7 +301,7 @@ def print_report(record: dict[str, Any], args: argparse.Namespace) -> None:
     if record.get("llama_cpp"):
         console.print(f"llama.cpp {record['llama_cpp']['version']}: {record['llama_cpp']['system_info']}")
     console.print(
-        f"load average before {timing['load_average']['before']} after {timing['load_average']['after']}; "
+        f"{load_line(timing['load_average']['before'], timing['load_average']['after'])}; "
         f"{args.repeats} repeats after {args.warmup} warm-up, interleaved; {args.threads} threads; "
         f"{timing['seconds']} s"
     )
@@ -325,14 +311,11 @@ def print_report(record: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(__file__, __doc__)
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--ttft", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    add_run_arguments(parser, DEFAULT_OUT, build_timeout=1800)
     parser.add_argument("--int4", default="int4_awq", help="the int4 recipe of our rows")
     parser.add_argument("--only", nargs="+", help="only our rows whose label contains one of these")
     parser.add_argument(
@@ -344,9 +327,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=True,
         help="llama.cpp Q4_1 and Q8_0 rows (llama-cpp-python)",
     )
-    parser.add_argument("--build-timeout", type=int, default=1800)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if min(args.contexts + args.ttft) < 1 or args.repeats < 1 or args.warmup < 0 or args.decode_tokens < 2:
         parser.error("lengths and --repeats must be positive, --decode-tokens at least 2")
@@ -355,17 +335,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        record = run(args)
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print_report(record, args)
-    if args.json:
-        args.json.write_text(json.dumps(record, indent=2, default=str))
-        print(f"wrote {args.json}")
-    return 0
+    return run_and_report(args, run, lambda record: print_report(record, args))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -8,7 +8,7 @@ One run builds, with the real CLI (``python -m pipeline ... bench=none``, cached
 - ``int8-seed0`` / ``int8-seed1``: ``quant=int8`` with calibration seeds 0 and 1 (two builds of
   one recipe: the gate must PASS one against the other);
 - ``resaved``: the default checkpoint loaded and saved again (same weights, new files): PASS;
-- ``int8-naive``: static W8A8 without SmoothQuant (perplexity 68 vs 25 on held-out text): FAIL;
+- ``int8-naive``: static W8A8 without SmoothQuant (its perplexity: ``benchmarks/README.md``): FAIL;
 - ``swapped``: decoder layers ``--swap`` and ``--swap``+1 exchanged in the checkpoint: FAIL;
 - ``window-<N>``: fp32, ``fusion=ort kv_cache=concat kv_cache.window=<N>`` (``--window``, default
   256): sliding-window attention shorter than the long-context items (1k-8k tokens): FAIL on
@@ -22,9 +22,9 @@ One run builds, with the real CLI (``python -m pipeline ... bench=none``, cached
   50-item suite can see: FAIL by the token-level bounds;
 - ``fused``: fp32, ``fusion=ort kv_cache=concat``, and ``int8-fused-seed0`` / ``-seed1``: the int8
   seed pair fused. The long-context suite at full size (1k-8k-token prompts) is measured on these
-  (``window-fused`` and ``seeds-fused`` pairs). Scored in 512-token prefill steps, the full suite
-  takes about 28 minutes on the unfused fp32 engine and 23 on the unfused int8 one (2 cores; the
-  prefill's rate, not the graph's fusion, sets it: ``benchmarks/prefill_chunks.py``).
+  (``window-fused`` and ``seeds-fused`` pairs): scored in 512-token prefill steps, the prefill's
+  rate, not the graph's fusion, sets its time (``python -m benchmarks.prefill_chunks``; the
+  minutes it takes are in ``benchmarks/README.md``).
 
 then runs ``python -m pipeline.gate`` on each pair and prints one table: pair, expectation, the
 verdict, per suite the difference with its 95% CI, McNemar p-value and outcome, the token-level
@@ -32,7 +32,9 @@ drift (KL, top-1, perplexity ratio) with its outcome, and the seconds the gate t
 is yes when the verdict is the expected one, "safe" when a planted regression came out
 INCONCLUSIVE (not shipped, but not shown either), NO otherwise.
 
-    python benchmarks/gate_power.py --eval quick [--limit N] [--pairs swapped ...] [--json out.json]
+    python -m benchmarks.gate_power --eval quick [--limit N] [--pairs swapped ...] [--json out.json]
+
+The command and the recorded results: ``benchmarks/README.md`` (gate_power).
 """
 
 from __future__ import annotations
@@ -40,15 +42,23 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.common import (
+    DEFAULT_MODEL,
+    REPO,
+    last_line,
+    make_parser,
+    pipeline_command,
+    run_logged,
+    write_record,
+)
+
 DEFAULT_OUT = REPO / "artifacts" / "benchmarks" / "gate_power"
-SOURCE = REPO / "artifacts" / "models" / "llama-b179c9523d0e"  # `python -m pipeline model=llama` makes it
+SOURCE = DEFAULT_MODEL  # `python -m pipeline model=llama` makes it
 
 BUILDS: dict[str, list[str]] = {
     "none": ["quant=none"],
@@ -83,28 +93,15 @@ PAIRS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
-def _run(command: list[str], log: Path) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    log.write_text(f"$ {' '.join(command)}\n{result.stdout}\n{result.stderr}")
-    return result
-
-
 def build(name: str, overrides: list[str], out: Path) -> Path | None:
     """The run folder of one CLI build (None if it failed; the log says why)."""
     run_dir = out / name
-    command = [
-        sys.executable,
-        "-m",
-        "pipeline",
-        *overrides,
-        "bench=none",
-        "eval=none",
-        f"hydra.run.dir={run_dir}",
-    ]
+    command = pipeline_command("pipeline", *overrides, "bench=none", "eval=none", f"hydra.run.dir={run_dir}")
     print(f"build  {name}: {' '.join(overrides)}", flush=True)
-    result = _run(command, out / f"{name}.build.log")
-    if result.returncode != 0:
-        print(f"build  {name}: failed (exit {result.returncode}; {out / f'{name}.build.log'})", flush=True)
+    result = run_logged(command, out / f"{name}.build.log")
+    if result is None or result.returncode != 0:
+        code = result.returncode if result else "timeout"
+        print(f"build  {name}: failed (exit {code}; {out / f'{name}.build.log'})", flush=True)
         return None
     return run_dir
 
@@ -154,23 +151,23 @@ def gate(label: str, baseline: Path, candidate: Path, args: argparse.Namespace, 
     sets = ["--set", *args.set] if args.set else []
     if args.limit:
         sets = ["--set", *args.set, f"limit={args.limit}"]
-    command = [
-        sys.executable, "-m", "pipeline.gate", "--baseline", str(baseline), "--candidate", str(candidate),
+    command = pipeline_command(
+        "pipeline.gate", "--baseline", str(baseline), "--candidate", str(candidate),
         "--eval", args.eval, "--json", str(record_path), *sets,
-    ]  # fmt: skip
+    )  # fmt: skip
     print(f"gate   {label} ...", flush=True)
     started = time.perf_counter()
-    result = _run(command, out / f"gate-{label.replace(' ', '_')}.log")
+    result = run_logged(command, out / f"gate-{label.replace(' ', '_')}.log")
     seconds = round(time.perf_counter() - started, 1)
-    if result.returncode not in (0, 3, 4) or not record_path.is_file():  # PASS, FAIL, INCONCLUSIVE
-        return {"status": "failed", "note": (result.stderr.strip().splitlines() or ["no output"])[-1]}
+    if (
+        result is None or result.returncode not in (0, 3, 4) or not record_path.is_file()
+    ):  # PASS, FAIL, INCONCLUSIVE
+        return {"status": "failed", "note": last_line(result.stderr) if result else "timed out"}
     return {"status": "ok", "seconds": seconds, **json.loads(record_path.read_text())}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python benchmarks/gate_power.py", description=__doc__.splitlines()[0]
-    )
+    parser = make_parser(__file__, __doc__)
     parser.add_argument("--eval", default="quick", help="configs/eval option (quick | full)")
     parser.add_argument("--limit", type=int, help="items a suite (default: all of the size)")
     parser.add_argument("--set", nargs="*", default=[], help="more gate overrides, e.g. 'suites=[reasoning]'")
@@ -217,9 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     print_table(rows, args)
     if args.json:
-        args.json.write_text(
-            json.dumps({"eval": args.eval, "limit": args.limit, "rows": rows}, indent=2, default=str)
-        )
+        write_record(args.json, {"eval": args.eval, "limit": args.limit, "rows": rows})
     return 0
 
 

@@ -1,7 +1,7 @@
 """Device check for a machine with an NVIDIA GPU: TensorRT engines of the default model, judged by
 the eval gate and timed against ONNX Runtime CUDA, in one bounded command, one JSON, one table:
 
-    python benchmarks/gpu_check.py [--recipes fp8 int4] [--deadline 450] [--json out.json]
+    python -m benchmarks.gpu_check [--recipes fp8 int4] [--deadline 450] [--json out.json]
 
 It builds, with the real CLI (cached like any run, so a rerun is quick; calibration runs on the
 GPU, ``pipeline.device=auto``):
@@ -37,30 +37,32 @@ download happens), and installed there: TensorRT 11 (``pip install -e ".[gpu]"
 --extra-index-url https://pypi.nvidia.com``) and onnxruntime-gpu for the peer. Nothing else is
 read. On a machine without GPU or TensorRT it stops at once with one line saying what is
 missing (exit 2).
+
+The command and the recorded results: ``benchmarks/README.md`` (gpu_check).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from quantization import (
+from benchmarks.common import (
     DECODE_TOKENS,
     REPO,
     TTFT_LENGTH,
     Contestant,
+    add_run_arguments,
     build_recipe,
+    make_parser,
     measure_speed,
+    median_ms,
+    pipeline_command,
     run_and_report,
+    run_logged,
 )
-
 from pipeline.config import QualityConfig
 
 FAST = ("quant.sensitivity.enabled=false", "quant.calibration.num_samples=32")
@@ -85,19 +87,12 @@ MIN_TOP1 = 0.98
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python benchmarks/gpu_check.py", description=__doc__.splitlines()[0]
-    )
+    parser = make_parser(__file__, __doc__)
     parser.add_argument("--recipes", nargs="*", choices=list(RECIPES), default=DEFAULT_RECIPES)
-    parser.add_argument("--out", type=Path, default=REPO / "artifacts" / "benchmarks" / "gpu_check")
+    add_run_arguments(parser, REPO / "artifacts" / "benchmarks" / "gpu_check", 300, repeats=5, threads=False)
     parser.add_argument("--deadline", type=float, default=450, help="seconds: start no stage after it")
-    parser.add_argument("--build-timeout", type=int, default=300, help="seconds per build")
     parser.add_argument("--gate-timeout", type=int, default=240, help="seconds per gate")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=2048, help="held-out tokens for the logit check")
-    parser.add_argument("--json", type=Path)
     return parser.parse_args(argv)
 
 
@@ -125,18 +120,14 @@ def gate(baseline: Contestant, candidate: Contestant, args: argparse.Namespace) 
     """``python -m pipeline.gate --eval quick`` of ``candidate`` against ``baseline``."""
     record_path = args.out / f"gate-{candidate.name}.json"
     record_path.unlink(missing_ok=True)
-    command = [
-        sys.executable, "-m", "pipeline.gate", "--baseline", str(baseline.folder),
-        "--candidate", str(candidate.folder), "--eval", "quick", "--json", str(record_path),
-    ]  # fmt: skip
+    command = pipeline_command(
+        "pipeline.gate", "--baseline", str(baseline.folder), "--candidate", str(candidate.folder),
+        "--eval", "quick", "--json", str(record_path),
+    )  # fmt: skip
     started = time.perf_counter()
-    try:
-        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=args.gate_timeout)
-    except subprocess.TimeoutExpired:
+    result = run_logged(command, args.out / f"gate-{candidate.name}.log", args.gate_timeout)
+    if result is None:
         return {"verdict": "not run", "note": f"the gate took over {args.gate_timeout} s (--gate-timeout)"}
-    (args.out / f"gate-{candidate.name}.log").write_text(
-        f"$ {' '.join(command)}\n{result.stdout}\n{result.stderr}"
-    )
     if result.returncode not in (0, 3, 4) or not record_path.is_file():  # PASS, FAIL, INCONCLUSIVE
         lines = result.stderr.strip().splitlines() or ["no output"]
         return {"verdict": "not run", "note": f"the gate failed (exit {result.returncode}): {lines[-1]}"}
@@ -210,13 +201,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     timing: dict[str, Any] = {}
     if timed and not clock.past():
         timing = measure_speed(timed, args)
-        peer_ms = {key: _median(peer.samples[key]) for key in ("ttft", "tpot")} if peer.ok else {}
+        peer_ms = {key: median_ms(peer.samples[key]) for key in ("ttft", "tpot")} if peer.ok else {}
         for row in timed:
             record = next(r for r in rows if f"{r['recipe']}-{r['target']}" == row.name)
-            record["ttft_ms"] = round(_median(row.samples["ttft"]) * 1000, 2)
-            record["tpot_ms"] = round(_median(row.samples["tpot"]) * 1000, 3)
+            record["ttft_ms"] = round(median_ms(row.samples["ttft"]), 2)
+            record["tpot_ms"] = round(median_ms(row.samples["tpot"]), 3)
             for key, value in peer_ms.items():
-                record[f"{key}_vs_ort_cuda_fp16"] = round(_median(row.samples[key]) / value, 3)
+                record[f"{key}_vs_ort_cuda_fp16"] = round(median_ms(row.samples[key]) / value, 3)
     elif timed:
         timing = {"note": clock.late()}
     return {
@@ -230,12 +221,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": round(clock.elapsed(), 1),
         "deadline_s": args.deadline,
     }
-
-
-def _median(values: list[float]) -> float:
-    import statistics
-
-    return statistics.median(values)
 
 
 def _gate_cell(gate_record: dict[str, Any] | None) -> str:

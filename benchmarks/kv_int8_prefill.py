@@ -12,11 +12,13 @@ gives the median TTFT and TPOT and their ratios to the fp32-cache engine, the re
 each engine added when it loaded, and the load average before and after (the machine is shared:
 compare ratios).
 
-    python benchmarks/kv_int8_prefill.py --int8 <engine> --fp32 <engine> [--tokens 512 2048]
+    python -m benchmarks.kv_int8_prefill --int8 <engine> --fp32 <engine> [--tokens 512 2048]
         [--new-tokens 32] [--repeats 5] [--json out.json]
 
-Engines as ``benchmarks/fusion.py`` builds them: ``artifacts/benchmarks/fusion/
+Engines as ``python -m benchmarks.fusion`` builds them: ``artifacts/benchmarks/fusion/
 int4_awq-fused-shared-int8-KV/engine`` and ``.../int4_awq-fused-shared/engine``.
+
+The command and the recorded results: ``benchmarks/README.md`` (kv_int8_prefill).
 """
 
 from __future__ import annotations
@@ -27,10 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from recording import measure_and_report  # noqa: E402  (beside this script)
+from benchmarks.common import UsageError, load_line, make_parser, measure_and_report, ort_model
 
 
 def rss_mib() -> float:
@@ -47,9 +46,9 @@ KERNEL_ONLY = "int8 cache, int8 kernel only"
 def load_engines(int8: Path, fp32: Path) -> tuple[dict[str, Any], dict[str, float]]:
     """The contestants, and the resident memory each adds when it loads. The int8 engine runs
     twice, with its prefill session and without (``KERNEL_ONLY``): one engine object, because
-    two loads of the same engine decode at different speeds (measured: whichever was loaded
-    second decoded 10-20% faster); its memory without the prefill session is measured by a load
-    of its own, first, and released."""
+    two loads of the same engine decode at different speeds (how far apart:
+    ``benchmarks/README.md``); its memory without the prefill session is measured by a load of
+    its own, first, and released."""
     import gc
 
     from pipeline.runtime import Engine
@@ -64,8 +63,8 @@ def load_engines(int8: Path, fp32: Path) -> tuple[dict[str, Any], dict[str, floa
         before = rss_mib()
         engines[name] = Engine(folder)
         added[name] = rss_mib() - before
-    if engines["int8 cache, prefill graph"].model.prefill_session is None:
-        raise SystemExit(
+    if ort_model(engines["int8 cache, prefill graph"]).prefill_session is None:
+        raise UsageError(
             f"--int8 {int8}: the engine has no prefill graph; rebuild it (target ort-cpu, int8 cache)"
         )
     engines[KERNEL_ONLY] = engines["int8 cache, prefill graph"]
@@ -154,15 +153,15 @@ def print_table(record: dict[str, Any]) -> None:
             f"{row['tpot_s'] * 1e3:>8.2f} {row['tpot_vs_fp32']:>7.2f}x {row['rss_added_mib']:>9.0f}  "
             f"{'yes' if row['same_tokens_as_fp32'] else 'no'}"
         )
-    load = " -> ".join("/".join(f"{x:.1f}" for x in record[k]) for k in ("load_before", "load_after"))
+    load = load_line(record["load_before"], record["load_after"])
     print(
-        f"load average (1/5/15 min) {load}; medians of {record['repeats']} interleaved runs, "
+        f"{load}; medians of {record['repeats']} interleaved runs, "
         f"TPOT over {record['new_tokens']} new tokens"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__file__, __doc__)
     parser.add_argument("--int8", type=Path, required=True, help="engine folder with an int8 KV cache")
     parser.add_argument(
         "--fp32", type=Path, required=True, help="the same recipe's engine with an fp32 cache"
@@ -177,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} {folder}: no engine.json there (an engine folder of a pipeline run)")
     if args.repeats < 1 or min(args.tokens) < 1 or args.new_tokens < 2:
         parser.error("--repeats and --tokens must be at least 1, --new-tokens at least 2")
-    return measure_and_report(lambda: measure(args), print_table, args.json)
+    return measure_and_report(args, measure, print_table)
 
 
 if __name__ == "__main__":

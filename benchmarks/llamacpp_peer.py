@@ -1,4 +1,4 @@
-"""llama.cpp as a peer in the engine benchmarks (``benchmarks/fusion.py``).
+"""llama.cpp as a peer in the engine benchmarks (``python -m benchmarks.fusion``).
 
 Two GGUF models of the same checkpoint, run by llama-cpp-python (``pip install -e '.[bench]'``
 builds it from source with the machine's native instructions: llama.cpp's ``GGML_NATIVE``):
@@ -13,6 +13,8 @@ Greedy decoding on the same prompt token ids as our engines (the GGUF carries th
 tokenizer), timed like ours: TTFT is the prompt's evaluation plus the first token's argmax,
 TPOT each further ``eval`` of one token plus its argmax. llama.cpp's own defaults otherwise
 (prompt batches of ``n_batch`` = 512 tokens, its KV cache in f16 for ``n_ctx`` positions).
+
+Its rows' recorded results are in the fusion tables of ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.common import child_rss, peak_rss_script
 from pipeline.runtime.generate import GenerationConfig, GenerationResult
 
 PACKAGE = "llama-cpp-python"
@@ -134,7 +137,7 @@ class LlamaCppEngine:
         token = self._next()
         prefill = time.perf_counter() - start
         tokens, steps = [token], []
-        for _ in range(config.max_new_tokens - 1):
+        for _step in range(config.max_new_tokens - 1):
             start = time.perf_counter()
             llm.eval([token])
             token = self._next()
@@ -152,53 +155,16 @@ class LlamaCppEngine:
         return 2 * self.layers * kv_width * self.max_length * 2
 
 
-# Peak RSS of a fresh process, as benchmarks/fusion.py measures our engines: load, reset the
-# high-water mark, prefill N tokens and decode two, print RSS after loading and the peak.
-PEAK_RSS_CHILD = """
-import sys
-sys.path.insert(0, sys.argv[4])
-from pathlib import Path
-from llamacpp_peer import LlamaCppEngine
-from pipeline.runtime.generate import GenerationConfig
-
-def status(field):
-    line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-n, threads = int(sys.argv[2]), int(sys.argv[3])
-engine = LlamaCppEngine(Path(sys.argv[1]), n + 64, threads)
-loaded = status("VmRSS")
-with open("/proc/self/clear_refs", "w") as refs:
-    refs.write("5")
-prompt = [[(7919 * i) % engine.io.vocab_size for i in range(n)]]
-engine.generate_ids(prompt, GenerationConfig(max_new_tokens=2, stop_at_eos=False))
-print(loaded, status("VmHWM"))
-"""
+# Peak RSS of a fresh process, as the fusion benchmark measures our engines
+# (``benchmarks.common.peak_rss_script``): the context holds the prompt and 64 tokens more.
+PEAK_RSS_CHILD = peak_rss_script(
+    "from pathlib import Path\n"
+    "from benchmarks.llamacpp_peer import LlamaCppEngine\n"
+    "engine = LlamaCppEngine(Path(sys.argv[1]), int(sys.argv[2]) + 64, int(sys.argv[3]))"
+)
 
 
 def peak_rss(gguf: Path, tokens: int, threads: int, repo: Path) -> dict[str, int]:
     """Resident memory of a fresh process after loading ``gguf`` and its peak while it decodes
     after ``tokens`` tokens (Linux only)."""
-    here = str(Path(__file__).parent)
-    return child_rss(PEAK_RSS_CHILD, [str(gguf), str(tokens), str(threads), here], repo)
-
-
-def child_rss(script: str, args: list[str], cwd: Path) -> dict[str, int]:
-    """Run ``script`` in a fresh Python with ``args``; it prints RSS after loading and the peak
-    while decoding (bytes), which come back as a record. The child runs in isolated mode with a
-    clean environment (``pipeline.core.subprocesses.isolated_script``): no inherited PYTHONPATH or
-    PYTHONSTARTUP; the project root is put on its path explicitly."""
-    import subprocess
-
-    from pipeline.core.subprocesses import child_environment, isolated_script
-
-    done = subprocess.run(
-        isolated_script(script, *args),
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=cwd,
-        env=child_environment(),
-    )
-    loaded, peak = (int(x) for x in done.stdout.split()[-2:])
-    return {"after_load": loaded, "peak_decoding": peak}
+    return child_rss(PEAK_RSS_CHILD, [str(gguf), str(tokens), str(threads)], repo)

@@ -9,23 +9,21 @@ prefilled ``--repeats`` times per chunk size; the table gives the median seconds
 second and the ratio to one step (chunk 0) measured in the same run, with the load average
 before and after (the machine is shared: compare ratios).
 
-    python benchmarks/prefill_chunks.py --engine artifacts/runs/<run>/engine [--tokens 2000 8000]
+    python -m benchmarks.prefill_chunks --engine artifacts/runs/<run>/engine [--tokens 2000 8000]
         [--chunks 0 512 1024] [--repeats 3] [--json out.json]
+
+The command and the recorded results: ``benchmarks/README.md`` (prefill_chunks).
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from recording import measure_and_report  # noqa: E402  (beside this script)
+from benchmarks.common import load_line, make_parser, measure_and_report
 
 
 def measure(engine: Path, tokens: list[int], chunks: list[int], repeats: int) -> dict[str, Any]:
@@ -67,12 +65,12 @@ def print_table(record: dict[str, Any]) -> None:
         ratio = f"x{row['vs_one_step']:.2f}" if row["vs_one_step"] else "-"
         chunk = row["chunk"] or "one"
         print(f"{row['tokens']:>7} {chunk:>6} {row['seconds']:>9.2f} {row['tokens_per_s']:>9.0f} {ratio:>21}")
-    load = " -> ".join("/".join(f"{x:.1f}" for x in record[k]) for k in ("load_before", "load_after"))
-    print(f"load average (1/5/15 min) {load}; median of {record['repeats']} runs each")
+    load = load_line(record["load_before"], record["load_after"])
+    print(f"{load}; median of {record['repeats']} runs each")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__file__, __doc__)
     parser.add_argument("--engine", type=Path, required=True, help="an engine folder (engine.json)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[2000, 8000])
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 512, 1024], help="0: one step")
@@ -84,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or min(args.tokens) < 1 or min(args.chunks) < 0:
         parser.error("--repeats and --tokens must be at least 1, --chunks at least 0")
     return measure_and_report(
-        lambda: measure(args.engine, args.tokens, args.chunks, args.repeats), print_table, args.json
+        args, lambda args: measure(args.engine, args.tokens, args.chunks, args.repeats), print_table
     )
 
 

@@ -8,17 +8,17 @@
 - 4 concurrent publishers of one recipe and 4 of different recipes: all must finish, versions
   distinct, ``verify`` clean.
 
-    python benchmarks/registry.py artifacts/runs/<time> [--kills 10] [--repeats 3] [--keep DIR]
+    python -m benchmarks.registry artifacts/runs/<time> [--kills 10] [--repeats 3] [--keep DIR]
 
 The run folder must hold ``manifest.json`` and its engine (any run; a gate verdict other than
 PASS is published with ``--force``, recorded as such).
+
+The command and the recorded results: ``benchmarks/README.md`` (registry).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
 import shutil
 import signal
@@ -28,26 +28,32 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.common import REPO, load_average, load_line, make_parser, pipeline_command, write_record
+from pipeline.core.artifacts import file_digests
+from pipeline.core.subprocesses import child_environment
+from pipeline.registry import LocalRegistry, Ref
 
-from pipeline.core.artifacts import file_digests  # noqa: E402
-from pipeline.registry import LocalRegistry, Ref  # noqa: E402
-
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+# Publishers run from the repository root (``python -m pipeline.registry`` finds ``pipeline``
+# there) with a clean environment, as every child of ours.
+CHILD: dict[str, Any] = {"cwd": REPO, "env": child_environment()}
 
 
 def publish_command(root: Path, run: Path, recipe: str, force: bool) -> list[str]:
-    command = [sys.executable, "-m", "pipeline.registry", "--root", str(root), "publish", str(run)]
-    return [*command, "--model", "bench", "--recipe", recipe, *(["--force", "benchmark"] if force else [])]
+    """``python -m pipeline.registry publish`` of ``run`` as ``bench/<recipe>`` into ``root``."""
+    force_it = ["--force", "benchmark"] if force else []
+    return pipeline_command(
+        "pipeline.registry", "--root", str(root), "publish", str(run), "--model", "bench", "--recipe", recipe,
+        *force_it,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__file__, __doc__)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
@@ -55,13 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, help="scratch folder to keep (default: a temporary one)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    args.run_dir = args.run_dir.resolve()  # the publishers run from the repository root
     manifest = json.loads((args.run_dir / "manifest.json").read_text())
     force = (manifest.get("gate") or {}).get("verdict") != "PASS"
     size = sum(int(f["bytes"]) for f in manifest["engine"]["files"])
     scratch = args.keep or Path(tempfile.mkdtemp(prefix="registry-bench-"))
     scratch.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    result: dict = {"engine_bytes": size, "files": len(manifest["engine"]["files"])}
+    result: dict[str, Any] = {"engine_bytes": size, "files": len(manifest["engine"]["files"])}
     try:
         # publish / pull speed, each repeat into a fresh registry (cold: every blob copied)
         publish_s, pull_s, republish_s = [], [], []
@@ -69,12 +76,12 @@ def main(argv: list[str] | None = None) -> int:
             root = scratch / f"speed{repeat}"
             started = time.perf_counter()
             subprocess.run(
-                publish_command(root, args.run_dir, "r", force), env=ENV, check=True, capture_output=True
+                publish_command(root, args.run_dir, "r", force), **CHILD, check=True, capture_output=True
             )
             publish_s.append(time.perf_counter() - started)
             started = time.perf_counter()
             subprocess.run(
-                publish_command(root, args.run_dir, "r", force), env=ENV, check=True, capture_output=True
+                publish_command(root, args.run_dir, "r", force), **CHILD, check=True, capture_output=True
             )
             republish_s.append(time.perf_counter() - started)
             started = time.perf_counter()
@@ -94,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         garbage = []
         for kill in range(args.kills):
             root = scratch / f"kill{kill}"
-            process = subprocess.Popen(publish_command(root, args.run_dir, "r", force), env=ENV)
+            process = subprocess.Popen(publish_command(root, args.run_dir, "r", force), **CHILD)
             # stratified over 1.5 publish times (some land after the commit), jittered in the stratum
             time.sleep((kill + rng.random()) / args.kills * 1.5 * result["publish_s"])
             process.send_signal(signal.SIGKILL)
@@ -118,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         processes = [
             subprocess.Popen(
-                publish_command(root, args.run_dir, r, force), env=ENV, stdout=subprocess.DEVNULL
+                publish_command(root, args.run_dir, r, force), **CHILD, stdout=subprocess.DEVNULL
             )
             for r in recipes
         ]
@@ -156,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{c['versions']} versions, verify problems {c['verify_problems']}, {c['seconds']:.1f} s",
     )
     Console().print(table)
-    print(f"load average {os.getloadavg()}; medians over {args.repeats} repeats")
+    print(f"{load_line(load_average())}; medians over {args.repeats} repeats")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        write_record(args.json, result)
     ok = (
         kills["inconsistent"] == 0
         and set(c["exit_codes"]) == {0}

@@ -43,9 +43,11 @@ Load average before and after every build, CPU model and cores are in the output
 
 Run from the repository root::
 
-    python benchmarks/scaling.py --shapes 135m 360m --recipes none int4_awq [--keep]
-    python benchmarks/scaling.py --report artifacts/scaling/scaling.json --fit-from 360m  # refit, no builds
-    python benchmarks/scaling.py --report a.json b.json  # the builds of several runs in one table
+    python -m benchmarks.scaling --shapes 135m 360m --recipes none int4_awq [--keep]
+    python -m benchmarks.scaling --report artifacts/scaling/scaling.json --fit-from 360m  # refit, no builds
+    python -m benchmarks.scaling --report a.json b.json  # the builds of several runs in one table
+
+The command and the recorded results: ``benchmarks/README.md`` (scaling).
 """
 
 from __future__ import annotations
@@ -66,11 +68,12 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.common import DEFAULT_MODEL, REPO, UsageError, error_line, load_average, make_parser
+
 DEFAULT_WORK = Path("artifacts/scaling")
-DEFAULT_TOKENIZER = REPO / "artifacts/models/llama-b179c9523d0e"
+DEFAULT_TOKENIZER = DEFAULT_MODEL
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -143,10 +146,6 @@ SHAPES: dict[str, Shape] = {
 }
 DEFAULT_SHAPES = ("135m", "360m", "1.1b", "3b")
 SIZE_KEYS = tuple(SHAPES["135m"].config())  # the config.json keys a Shape sets
-
-
-class UsageError(Exception):
-    """A problem with the arguments or the inputs: one line, exit status 2."""
 
 
 def say(message: str) -> None:
@@ -389,18 +388,6 @@ def host() -> dict[str, Any]:
     return info
 
 
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def _error_line(log_text: str) -> str:
-    errors = [ln.strip() for ln in log_text.splitlines() if ln.startswith("error:")]
-    if errors:
-        return errors[-1]
-    kept = [ln.strip() for ln in log_text.strip().splitlines() if ln.strip()]
-    return kept[-1] if kept else "no output"
-
-
 def is_preflight_refusal(returncode: int, line: str) -> bool:
     """The pipeline's memory preflight refuses with one ``error:`` line about memory, exit 2."""
     lowered = line.lower()
@@ -533,11 +520,11 @@ def build(shape: Shape, checkpoint: Path, recipe: str, args: argparse.Namespace)
     log_path = run_dir.parent / f"{recipe}.log"
     record["command"] = command
     record["log"] = str(log_path)
-    record["load_before"] = _load()
+    record["load_before"] = load_average()
     size = f"{shape.parameters() / 1e6:.0f}M"
     say(f"{shape.name} ({size}) quant={recipe}: build starts (load {record['load_before']})")
     process = run_build(command, log_path, args.build_timeout)
-    record["load_after"] = _load()
+    record["load_after"] = load_average()
     record["process"] = process
     added = new_files([cache_dir, run_dir], before)
     record["disk_added_bytes"] = sum(f["bytes"] for f in added)
@@ -545,7 +532,7 @@ def build(shape: Shape, checkpoint: Path, recipe: str, args: argparse.Namespace)
         {**f, "path": os.path.relpath(f["path"], work)} for f in added[:12]
     ]
     record["disk_ratio_fp32"] = round(record["disk_added_bytes"] / shape.fp32_bytes(), 3)
-    line = _error_line(log_path.read_text(errors="replace"))
+    line = error_line(log_path.read_text(errors="replace"))
     if process["timed_out"]:
         record["status"], record["note"] = (
             "failed",
@@ -614,7 +601,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     record: dict[str, Any] = {
         "host": host(),
-        "load_at_start": _load(),
+        "load_at_start": load_average(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "work": str(args.work),
         "keep": args.keep,
@@ -649,7 +636,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     min_params = SHAPES[args.fit_from].parameters() if args.fit_from else 0
     record["fit_from"] = args.fit_from
     record["fits"] = fits(record["builds"], min_params)
-    record["load_at_end"] = _load()
+    record["load_at_end"] = load_average()
     return record
 
 
@@ -747,13 +734,8 @@ def report(record: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- command line
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, like every other user mistake
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _Parser(prog="python benchmarks/scaling.py", description=(__doc__ or "").splitlines()[0])
+    parser = make_parser(__file__, __doc__)
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(SHAPES))
     parser.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES), help="quant= options")
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="checkpoints, caches, runs, logs")
@@ -832,5 +814,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     sys.exit(main())

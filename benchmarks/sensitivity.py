@@ -20,24 +20,32 @@ would choose from it at ``--kl-budget`` (default 0.01, the README's budget) with
 measured exactly), with whether it meets the budget. Wall time of each scan and each search.
 The load average before and after is printed: the machine is shared, so compare ratios of one run.
 
-Run from the repository root (about 5 minutes per format on 2 cores)::
+Run from the repository root (the minutes a format takes: ``benchmarks/README.md``)::
 
-    python benchmarks/sensitivity.py --formats int4 fp8 int8 --samples 4 16 [--json out.json]
+    python -m benchmarks.sensitivity --formats int4 fp8 int8 --samples 4 16 [--json out.json]
+
+The command and the recorded results: ``benchmarks/README.md`` (sensitivity).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-SOURCE = REPO / "artifacts" / "models" / "llama-b179c9523d0e"  # `python -m pipeline model=llama` makes it
+from benchmarks.common import (
+    DEFAULT_MODEL,
+    REPO,
+    load_average,
+    load_line,
+    make_parser,
+    run_and_report,
+    write_record,
+)
+
+SOURCE = DEFAULT_MODEL  # `python -m pipeline model=llama` makes it
 RECIPES = {"int4": "int4_awq", "fp8": "fp8", "int8": "int8"}
 TOP = 10
 
@@ -92,21 +100,21 @@ def measure_format(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
         rankings[f"fisher-{samples}"], rankings[f"fisher-{samples}-seq"] = scores.tokenwise, scores.sequence
     max_layers = args.max_fallback_layers or config.max_fallback_layers
     rows = []
-    for method, scores in rankings.items():
+    for method, ranking in rankings.items():
         started = time.perf_counter()
-        result = fallback_search(probe, quantizers, list(scores), args.kl_budget, max_layers)
+        result = fallback_search(probe, quantizers, list(ranking), args.kl_budget, max_layers)
         rows.append(
             {
                 "method": method,
                 "scan_seconds": seconds[method],
-                **compare(rankings["exact"], scores),
+                **compare(rankings["exact"], ranking),
                 "fallback": result.modules,
                 "fallback_kl": result.kl,
                 "budget_met": result.budget_met,
                 "search_seconds": time.perf_counter() - started,
                 "trials": {str(k): v for k, v in sorted(result.trials.items())},
-                "top10": list(scores)[:TOP],
-                "scores": scores,
+                "top10": list(ranking)[:TOP],
+                "scores": ranking,
             }
         )
     return {
@@ -132,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     torch.set_num_threads(args.threads)
     record: dict[str, Any] = {
-        "load_before": os.getloadavg(),
+        "load_before": load_average(),
         "threads": args.threads,
         "kl_budget": args.kl_budget,
     }
@@ -141,8 +149,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         record["formats"].append(measure_format(fmt, args))
         print_format(record, record["formats"][-1])
         if args.json:
-            args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    record["load_after"] = os.getloadavg()
+            write_record(args.json, record)  # so far: the last format's numbers are kept if a later one fails
+    record["load_after"] = load_average()
     return record
 
 
@@ -179,19 +187,14 @@ def print_format(record: dict[str, Any], fmt: dict[str, Any]) -> None:
 
 
 def print_report(record: dict[str, Any]) -> None:
-    load = " -> ".join("/".join(f"{x:.1f}" for x in record[k]) for k in ("load_before", "load_after"))
-    print(f"\nload average (1/5/15 min) {load}; {record['threads']} torch threads")
+    load = load_line(record["load_before"], record["load_after"])
+    print(f"\n{load}; {record['threads']} torch threads")
     for fmt in record["formats"]:
         print_format(record, fmt)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _Parser(prog="python benchmarks/sensitivity.py", description=(__doc__ or "").splitlines()[0])
+    parser = make_parser(__file__, __doc__)
     parser.add_argument("--formats", nargs="+", choices=list(RECIPES), default=["int4"])
     parser.add_argument("--samples", nargs="+", type=int, default=[4, 16], help="fisher labels per token")
     parser.add_argument(
@@ -215,19 +218,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.core.errors import PipelineError
-
-    args = parse_args(argv)
-    try:
-        record = run(args)
-    except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print_report(record)
-    if args.json:
-        args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    return run_and_report(parse_args(argv), run, print_report, interrupted="the formats printed are measured")
 
 
 if __name__ == "__main__":

@@ -8,28 +8,27 @@ reuse it (``pipeline/core/staging.py: key_lock``). The counts come from each job
 manager's ``pass i/n NAME: running (KEY)`` and ``cache hit (KEY)`` lines, and the gate's
 ``eval: scoring SUITE of DIGEST`` and ``eval: SUITE scores of DIGEST from the cache`` lines.
 
-    python benchmarks/sweep_store.py [--recipes none int8 fp8 int4_awq] [--jobs 4] [--limit 8]
+    python -m benchmarks.sweep_store [--recipes none int8 fp8 int4_awq] [--jobs 4] [--limit 8]
 
 ``--limit`` items a suite keeps the gates short (the counts do not depend on it). The table: each
 output (pass and key, or suite and engine), how many jobs computed it and how many reused it;
 "once" is yes when exactly one job computed it.
+
+The command and the recorded results: ``benchmarks/README.md`` (sweep_store).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.common import REPO, load_average, make_parser, pipeline_command, run_logged, write_record
+
 DEFAULT_OUT = REPO / "artifacts" / "benchmarks" / "sweep_store"
 COMPUTED = re.compile(r"pass \d+/\d+ (\S+): running \((\w{12})\)")
 REUSED = re.compile(r"pass \d+/\d+ (\S+): cache hit \((\w{12})\)")
@@ -41,8 +40,12 @@ def count(logs: list[str]) -> dict[str, dict[tuple[str, str], Counter[str]]]:
     """Per output, how many jobs computed and reused it: ``passes`` keyed by (pass, key),
     ``scores`` by (suite, engine digest); ``logs`` is each job's log text."""
     found: dict[str, dict[tuple[str, str], Counter[str]]] = {"passes": {}, "scores": {}}
-    patterns = (("passes", COMPUTED, "computed"), ("passes", REUSED, "reused"))
-    patterns += (("scores", SCORED, "computed"), ("scores", SCORES_REUSED, "reused"))
+    patterns: list[tuple[str, re.Pattern[str], str]] = [
+        ("passes", COMPUTED, "computed"),
+        ("passes", REUSED, "reused"),
+        ("scores", SCORED, "computed"),
+        ("scores", SCORES_REUSED, "reused"),
+    ]
     for text in logs:
         for kind, pattern, what in patterns:
             for match in pattern.finditer(text):
@@ -51,9 +54,7 @@ def count(logs: list[str]) -> dict[str, dict[tuple[str, str], Counter[str]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python benchmarks/sweep_store.py", description=__doc__.splitlines()[0]
-    )
+    parser = make_parser(__file__, __doc__)
     parser.add_argument("--recipes", nargs="*", default=["none", "int8", "fp8", "int4_awq"])
     parser.add_argument("--jobs", type=int, default=4, help="joblib workers")
     parser.add_argument("--limit", type=int, default=8, help="items a suite")
@@ -64,21 +65,20 @@ def main(argv: list[str] | None = None) -> int:
     cache, sweep = args.out / "cache", args.out / "sweep"
     for folder in (cache, sweep):  # a fresh store: everything is computed by this sweep
         shutil.rmtree(folder, ignore_errors=True)
-    command = [
-        sys.executable, "-m", "pipeline", "-m", "model=llama", f"quant={','.join(args.recipes)}",
+    command = pipeline_command(
+        "pipeline", "-m", "model=llama", f"quant={','.join(args.recipes)}",
         "hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}", f"pipeline.cache_dir={cache}",
         f"hydra.sweep.dir={sweep}", "bench=none", "registry=none", "eval=quick", f"eval.limit={args.limit}",
-    ]  # fmt: skip
+    )  # fmt: skip
     print("$", " ".join(command), flush=True)
-    load = os.getloadavg()
+    load = load_average()
     started = time.perf_counter()
-    try:
-        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = run_logged(command, args.out / "sweep.log", args.timeout)
+    if result is None:
         print(f"error: the sweep took over {args.timeout} s (--timeout)", file=sys.stderr)
         return 1
     seconds = round(time.perf_counter() - started, 1)
-    (args.out / "sweep.log").write_text(f"$ {' '.join(command)}\n{result.stdout}\n{result.stderr}")
     logs = [path.read_text() for path in sorted(sweep.glob("*/__main__.log"))]
     found = count(logs)
     record: dict[str, Any] = {
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         "jobs": len(logs),
         "seconds": seconds,
         "load_before": load,
-        "load_after": os.getloadavg(),
+        "load_after": load_average(),
         **{
             kind: [{"output": list(output), **counts} for output, counts in sorted(rows.items())]
             for kind, rows in found.items()
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print_table(record)
     if args.json:
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        write_record(args.json, record)
     return 0 if result.returncode == 0 else 1
 
 

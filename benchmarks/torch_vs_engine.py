@@ -26,7 +26,9 @@ before and after, the CPU model and core count.
 
 Run from the repository root::
 
-    python benchmarks/torch_vs_engine.py --prompt-lengths 128 512 --decode-tokens 64 --repeats 3
+    python -m benchmarks.torch_vs_engine --prompt-lengths 128 512 --decode-tokens 64 --repeats 3
+
+The command and the recorded results: ``benchmarks/README.md`` (torch_vs_engine).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -43,21 +44,25 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from anywhere: make ``pipeline`` importable
-    sys.path.insert(0, str(REPO))
+from benchmarks.common import (
+    GREEDY_CHECK_TEXT,
+    GREEDY_CHECK_TOKENS,
+    REPO,
+    UsageError,
+    cpu_line,
+    load_average,
+    load_line,
+    make_parser,
+    make_prompt,
+    ort_model,
+    print_lines,
+    run_and_report,
+)
+from pipeline.bench import host_info, summarize
+from pipeline.core.errors import EngineError
+from pipeline.runtime.generate import common_prefix_length
 
-from pipeline.bench import host_info, summarize  # noqa: E402
-from pipeline.core.errors import EngineError, SourceError  # noqa: E402
-from pipeline.runtime.generate import common_prefix_length  # noqa: E402
-
-GREEDY_CHECK_TOKENS = 16
-GREEDY_CHECK_TEXT = "The history of the printing press begins in"
 NOT_FOUND_HINT = "run `python -m pipeline model=llama quant=none` first, or pass --engine and --model"
-
-
-class UsageError(Exception):
-    """A problem with the arguments or the artifacts found: one line, exit status 2."""
 
 
 # --------------------------------------------------------------------------- locating artifacts
@@ -131,11 +136,6 @@ class _TokenClock:
         pass
 
 
-def make_prompt(rng: np.random.Generator, vocab: int, length: int) -> list[list[int]]:
-    low = min(100, vocab // 4)  # skip the special tokens at the start of the vocabulary
-    return rng.integers(low, vocab, size=(1, length)).tolist()
-
-
 def torch_generate(
     model: Any, prompt: list[list[int]], new_tokens: int, pad_id: int
 ) -> tuple[float, _TokenClock]:
@@ -170,6 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from tqdm.auto import tqdm
 
+    from pipeline.core.cache import installed_versions
     from pipeline.core.torch_model import load_causal_lm
     from pipeline.runtime import Engine, GenerationConfig
 
@@ -212,7 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     samples: dict[str, list[float]] = {}
     runs = args.warmup + args.repeats
-    load_before = os.getloadavg()
+    load_before = load_average()
     started = time.perf_counter()
     bar = tqdm(total=runs * (len(ttft_prompts) + 1), desc="torch vs engine", unit="pair", file=sys.stderr)
     with torch.inference_mode():
@@ -245,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             text_prompt, GenerationConfig(max_new_tokens=GREEDY_CHECK_TOKENS, stop_at_eos=False)
         ).tokens[0]
     bar.close()
-    load_after = os.getloadavg()
+    load_after = load_average()
 
     ttft = {}
     for length in ttft_prompts:
@@ -275,7 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "threads": {
             "torch_intra_op": torch.get_num_threads(),
             "torch_inter_op": torch.get_num_interop_threads(),
-            "ort_intra_op": engine.model.session.get_session_options().intra_op_num_threads,
+            "ort_intra_op": ort_model(engine).session.get_session_options().intra_op_num_threads,
         },
         "ttft": ttft,
         "tpot": {"torch": t, "engine": e, "ratio": ratio(t, e)},
@@ -286,21 +287,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "torch_tokens": torch_tokens[:checked],
             "engine_tokens": engine_tokens[:checked],
         },
-        "load_average": {
-            "before": [round(x, 2) for x in load_before],
-            "after": [round(x, 2) for x in load_after],
-        },
+        "load_average": {"before": load_before, "after": load_after},
         "host": host_info(),
-        "versions": {"torch": torch.__version__, **_versions()},
+        "versions": installed_versions(("torch", "transformers", "onnxruntime")),
         "measure_seconds": round(time.perf_counter() - started, 1),
     }
-
-
-def _versions() -> dict[str, str]:
-    import onnxruntime
-    import transformers
-
-    return {"transformers": transformers.__version__, "onnxruntime": onnxruntime.__version__}
 
 
 # --------------------------------------------------------------------------- reporting
@@ -340,9 +331,6 @@ def print_report(record: dict[str, Any]) -> None:
     )
     overrides = " ".join(record["engine_overrides"] or []) or "unknown"
 
-    def fmt(values: list[float]) -> str:
-        return " ".join(f"{v:.2f}" for v in values)
-
     lines = [
         f"greedy tokens agree: {'yes' if greedy['agree'] else 'no'} "
         f"({greedy['agreeing_prefix']}/{greedy['checked']})",
@@ -352,17 +340,14 @@ def print_report(record: dict[str, Any]) -> None:
         f"ORT {threads['ort_intra_op']}; {config['repeats']} repeats after {config['warmup']} warm-up, "
         "interleaved torch/engine",
         f"torch generate() overhead outside prefill (in TTFT): {overhead}",
-        f"load average (1/5/15 min) before: {fmt(load['before'])}  after: {fmt(load['after'])}",
-        f"CPU: {host['cpu']}; {host['logical_cores']} logical / {host['physical_cores']} physical cores",
+        load_line(load["before"], load["after"]),
+        cpu_line(host),
     ]
-    for line in lines:
-        console.print(line, highlight=False, soft_wrap=True)
+    print_lines(console, lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python benchmarks/torch_vs_engine.py", description=(__doc__ or "").splitlines()[0]
-    )
+    parser = make_parser(__file__, __doc__)
     parser.add_argument("--engine", type=Path, help="engine folder (default: newest run's)")
     parser.add_argument("--model", type=Path, help="HF folder (default: the run's source.path)")
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 512], help="TTFT prompts")
@@ -380,17 +365,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        record = run(args)
-    except (UsageError, EngineError, SourceError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print_report(record)
-    if args.json:
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    return run_and_report(parse_args(argv), run, print_report, interrupted="nothing was recorded")
 
 
 if __name__ == "__main__":

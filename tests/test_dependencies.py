@@ -15,10 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FIRST_PARTY = {"pipeline", "passes", "evals", "calibration", "tests", "benchmarks"} | {
-    script.stem
-    for script in ROOT.joinpath("benchmarks").glob("*.py")  # loaded from their files
-}
+FIRST_PARTY = {"pipeline", "passes", "evals", "calibration", "tests", "benchmarks"}
 # Optional peers a test skips without: each belongs to an extra that CI does not install, since
 # it needs a GPU (tensorrt) or a 20-minute compile (llama_cpp, the `bench` extra).
 OPTIONAL = {"tensorrt", "tensorrt_bindings", "llama_cpp"}

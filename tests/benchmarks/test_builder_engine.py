@@ -1,5 +1,5 @@
 """The peer the fusion and quantization benchmarks race: ONNX Runtime GenAI's model builder graph
-of the tiny random Llama, run by ``benchmarks/quantization.py``'s ``GenAIModelEngine`` through our
+of the tiny random Llama, run by ``benchmarks.common.GenAIModelEngine`` through our
 generation loop, decodes the same greedy tokens as our own engine of that checkpoint."""
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.common import GenAIModelEngine
 from pipeline.core.artifacts import Artifact
 from pipeline.runtime.generate import GenerationConfig
 from pipeline.runtime.ort import Engine
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +28,8 @@ def builder_folder(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.mark.parametrize("share_buffer", [False, True])
 def test_the_builder_graph_decodes_like_our_engine(
-    builder_folder: Path, tiny_engine: Artifact, share_buffer: bool, monkeypatch: pytest.MonkeyPatch
+    builder_folder: Path, tiny_engine: Artifact, share_buffer: bool
 ) -> None:
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from quantization import GenAIModelEngine
-
     peer = GenAIModelEngine(builder_folder, threads=1, share_buffer=share_buffer)
     assert peer.io.kv_layout == ("shared" if share_buffer else "concat")
     ours = Engine(tiny_engine.path, threads=1)

@@ -1,26 +1,22 @@
-"""``benchmarks/gate_power.py``'s planted regressions do what their rows claim, and its "right?"
+"""``python -m benchmarks.gate_power``'s planted regressions do what their rows claim, and its "right?"
 column reads the three outcomes."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from tests.benchmarks import load_benchmark
+from benchmarks import gate_power
 
 
-@pytest.fixture(scope="module")
-def gate_power() -> ModuleType:
-    return load_benchmark("gate_power")
-
-
-def edited(gate_power: ModuleType, tiny_llama: Path, tmp_path: Path, name: str) -> tuple[object, object]:
+def edited(
+    monkeypatch: pytest.MonkeyPatch, tiny_llama: Path, tmp_path: Path, name: str
+) -> tuple[object, object]:
     from pipeline.core.torch_model import load_causal_lm
 
-    gate_power.SOURCE = tiny_llama
+    monkeypatch.setattr(gate_power, "SOURCE", tiny_llama)  # the module is shared: set for this test only
     args = argparse.Namespace(swap=0, temperature=1.25, noise=0.02)
     folder = gate_power.modified_checkpoint(tmp_path, name, args)
     assert folder == tmp_path / "models" / name and not list(tmp_path.glob("models/.*"))  # no staging left
@@ -28,11 +24,11 @@ def edited(gate_power: ModuleType, tiny_llama: Path, tmp_path: Path, name: str) 
 
 
 def test_colder_scales_every_logit_and_keeps_every_argmax(
-    gate_power: ModuleType, tiny_llama: Path, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tiny_llama: Path, tmp_path: Path
 ) -> None:
     import torch
 
-    original, colder = edited(gate_power, tiny_llama, tmp_path, "colder")
+    original, colder = edited(monkeypatch, tiny_llama, tmp_path, "colder")
     ids = torch.randint(0, original.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         base, scaled = original(ids).logits, colder(ids).logits
@@ -45,11 +41,11 @@ def test_colder_scales_every_logit_and_keeps_every_argmax(
 
 
 def test_noisy_moves_every_decoder_weight_by_the_asked_share_of_its_rms(
-    gate_power: ModuleType, tiny_llama: Path, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tiny_llama: Path, tmp_path: Path
 ) -> None:
     import torch
 
-    original, noisy = edited(gate_power, tiny_llama, tmp_path, "noisy")
+    original, noisy = edited(monkeypatch, tiny_llama, tmp_path, "noisy")
     before = dict(original.named_parameters())
     linear = [n for n, m in noisy.model.layers.named_modules() if isinstance(m, torch.nn.Linear)]
     assert linear
@@ -69,7 +65,5 @@ def test_noisy_moves_every_decoder_weight_by_the_asked_share_of_its_rms(
     [("PASS", "PASS", "yes"), ("FAIL", "FAIL", "yes"), ("FAIL", "INCONCLUSIVE", "safe"),
      ("PASS", "FAIL", "NO"), ("FAIL", "PASS", "NO"), ("PASS", "INCONCLUSIVE", "NO")],
 )  # fmt: skip
-def test_right_reads_the_three_outcomes(
-    gate_power: ModuleType, expected: str, verdict: str, answer: str
-) -> None:
+def test_right_reads_the_three_outcomes(expected: str, verdict: str, answer: str) -> None:
     assert gate_power.right({"expected": expected, "verdict": verdict}) == answer

@@ -1,22 +1,13 @@
-"""``benchmarks/gpu_check.py`` on CPU: its report reads the gate's three outcomes, the logit
+"""``python -m benchmarks.gpu_check`` on CPU: its report reads the gate's three outcomes, the logit
 parity and the timing ratios, and says why a stage did not run (the GPU path itself cannot run
 here: tests/pipeline/test_gpu.py checks that it stops at once)."""
 
 from __future__ import annotations
 
-from types import ModuleType
-
-import pytest
-
-from tests.benchmarks import load_benchmark
+from benchmarks import gpu_check
 
 
-@pytest.fixture(scope="module")
-def gpu_check() -> ModuleType:
-    return load_benchmark("gpu_check")
-
-
-def test_the_rows_show_verdicts_ratios_and_what_did_not_run(gpu_check: ModuleType) -> None:
+def test_the_rows_show_verdicts_ratios_and_what_did_not_run() -> None:
     suite = {"verdict": "PASS", "difference": -0.021, "ci_low": -0.08, "ci_high": 0.04, "p_value": 1.0}
     timed = {
         "recipe": "fp8", "target": "tensorrt", "status": "ok", "note": "",
@@ -48,7 +39,7 @@ def test_the_rows_show_verdicts_ratios_and_what_did_not_run(gpu_check: ModuleTyp
     assert gpu_check.cells(peer)[2] == "failed: has no CUDAExecutionProvider"
 
 
-def test_a_stage_after_the_deadline_is_skipped_and_says_when(gpu_check: ModuleType) -> None:
+def test_a_stage_after_the_deadline_is_skipped_and_says_when() -> None:
     clock = gpu_check.Clock(deadline=0)
     assert clock.past()
     row = gpu_check._skipped("int4-tensorrt", clock)

@@ -1,4 +1,4 @@
-"""``benchmarks/kv_int8_prefill.py`` and ``benchmarks/decode_floor.py`` on tiny engines with an
+"""``python -m benchmarks.kv_int8_prefill`` and ``python -m benchmarks.decode_floor`` on tiny engines with an
 int8 and an fp32 KV cache: every engine is measured at every length with ratios against the
 fp32-cache engine, the floor comes from measured bytes and bandwidth, and bad folders are one
 usage line."""
@@ -21,9 +21,10 @@ from tests.conftest import run_pass
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, str(REPO / "benchmarks" / script), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+def run(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The benchmark as its users run it: ``python -m benchmarks.<module>`` from the repository root."""
+    command = [sys.executable, "-m", f"benchmarks.{module}", *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_the_prefill_table_compares_each_engine_with_the_fp32_cache(
 ) -> None:
     out = tmp_path / "prefill.json"
     args = ["--int8", str(engines["int8"]), "--fp32", str(engines["fp32"]), "--tokens", "20", "40"]
-    result = run("kv_int8_prefill.py", *args, "--new-tokens", "4", "--repeats", "1", "--json", str(out))
+    result = run("kv_int8_prefill", *args, "--new-tokens", "4", "--repeats", "1", "--json", str(out))
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     names = ["fp32 cache", "int8 cache, prefill graph", "int8 cache, int8 kernel only"]
@@ -59,7 +60,7 @@ def test_the_prefill_table_compares_each_engine_with_the_fp32_cache(
 def test_the_floor_is_bytes_over_measured_bandwidth(engines: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "floor.json"
     args = ["--engine", str(engines["int8"]), "--contexts", "16", "48", "--new-tokens", "4", "--repeats", "1"]
-    result = run("decode_floor.py", *args, "--bandwidth-mib", "64", "--json", str(out))
+    result = run("decode_floor", *args, "--bandwidth-mib", "64", "--json", str(out))
     assert result.returncode == 0, result.stderr[-2000:]
     record = json.loads(out.read_text())
     best = max(record["read_bandwidth_gb_s"].values()) * 1e9
@@ -73,10 +74,10 @@ def test_the_floor_is_bytes_over_measured_bandwidth(engines: dict[str, Path], tm
 
 
 def test_folders_without_an_engine_are_one_usage_line(tmp_path: Path) -> None:
-    for script, args in (
-        ("kv_int8_prefill.py", ["--int8", str(tmp_path), "--fp32", str(tmp_path)]),
-        ("decode_floor.py", ["--engine", str(tmp_path)]),
+    for module, args in (
+        ("kv_int8_prefill", ["--int8", str(tmp_path), "--fp32", str(tmp_path)]),
+        ("decode_floor", ["--engine", str(tmp_path)]),
     ):
-        result = run(script, *args)
+        result = run(module, *args)
         assert result.returncode == 2 and "no engine.json there" in result.stderr
         assert "Traceback" not in result.stderr

@@ -1,4 +1,4 @@
-"""The llama.cpp peer of benchmarks/fusion.py (benchmarks/llamacpp_peer.py): the source's own GGUF,
+"""The llama.cpp peer of the fusion benchmark (``benchmarks.llamacpp_peer``): the source's own GGUF,
 checked before use, and llama.cpp's Q8_0 of it, decoding greedily through llama-cpp-python.
 Needs the ``bench`` extra (llama-cpp-python) and the default model's GGUF beside its converted
 checkpoint (the README's first command puts it there); skipped without them."""
@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import llamacpp_peer
 from pipeline.runtime.generate import GenerationConfig
-from tests.benchmarks import load_benchmark
 
 pytest.importorskip("llama_cpp")
-llamacpp_peer = load_benchmark("llamacpp_peer")
 
 MODELS = Path(__file__).resolve().parents[2] / "artifacts" / "models"
 

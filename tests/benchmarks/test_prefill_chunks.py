@@ -1,4 +1,4 @@
-"""``benchmarks/prefill_chunks.py`` on the tiny engine: every length x chunk is measured, the
+"""``python -m benchmarks.prefill_chunks`` on the tiny engine: every length x chunk is measured, the
 one-step row is the reference of its ratios, and a folder without an engine is a usage error."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "prefill_chunks.py"
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    """The benchmark as its users run it: ``python -m benchmarks.prefill_chunks`` from the repository root."""
+    command = [sys.executable, "-m", "benchmarks.prefill_chunks", *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def test_the_table_measures_every_chunk_against_one_step(tiny_engine: Any, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""``benchmarks/scaling.py``'s parts that decide its numbers: the random checkpoint writer (a
+"""``python -m benchmarks.scaling``'s parts that decide its numbers: the random checkpoint writer (a
 loadable Llama of the asked shape and parameter count, sharded or not, reused only when it checks
 out), the exponent fit, and the disk accounting (a hard-linked file counts once)."""
 
@@ -7,37 +7,26 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
-from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from tests.benchmarks import load_benchmark
+from benchmarks import scaling
 
 
-@pytest.fixture(scope="module")
-def scaling() -> Iterator[ModuleType]:
-    yield load_benchmark("scaling")
-    sys.modules.pop("scaling_bench", None)
-
-
-def _tiny(scaling: ModuleType, tied: bool) -> object:
+def _tiny(tied: bool) -> scaling.Shape:
     # vocab 320: the tiny tokenizer's (tests/conftest.py); head_dim 16
     return scaling.Shape("tiny", "test", 64, 3, 4, 2, 96, tied=tied, vocab=320, max_positions=256)
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_the_writer_makes_a_loadable_llama_of_the_shape(
-    scaling: ModuleType, tiny_llama: Path, tmp_path: Path, tied: bool
-) -> None:
+def test_the_writer_makes_a_loadable_llama_of_the_shape(tiny_llama: Path, tmp_path: Path, tied: bool) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from pipeline.sources import check_hf_llama
 
-    shape = _tiny(scaling, tied)
+    shape = _tiny(tied)
     folder = tmp_path / "ckpt"
     assert scaling.write_checkpoint(shape, folder, tiny_llama, seed=3)
     check_hf_llama(folder)  # the pipeline's own check of a model.path folder
@@ -68,11 +57,11 @@ def test_the_writer_makes_a_loadable_llama_of_the_shape(
     assert torch.equal(stored["model.norm.weight"], torch.ones(64, dtype=torch.bfloat16))
 
 
-def test_the_writer_shards_reuses_and_rewrites(scaling: ModuleType, tiny_llama: Path, tmp_path: Path) -> None:
+def test_the_writer_shards_reuses_and_rewrites(tiny_llama: Path, tmp_path: Path) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
-    shape = _tiny(scaling, tied=True)
+    shape = _tiny(tied=True)
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
     scaling.write_checkpoint(shape, whole, tiny_llama, seed=0)
     assert scaling.write_checkpoint(shape, sharded, tiny_llama, seed=0, shard_bytes=40_000)
@@ -97,7 +86,7 @@ def test_the_writer_shards_reuses_and_rewrites(scaling: ModuleType, tiny_llama: 
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging left
 
 
-def test_the_fit_recovers_a_known_exponent(scaling: ModuleType) -> None:
+def test_the_fit_recovers_a_known_exponent() -> None:
     params = [135e6, 360e6, 1.1e9, 3e9]
     a, b = scaling.fit_exponent(params, [2e-7 * p**1.3 for p in params])
     assert b == pytest.approx(1.3, abs=1e-9) and a == pytest.approx(2e-7, rel=1e-6)
@@ -123,7 +112,7 @@ def test_the_fit_recovers_a_known_exponent(scaling: ModuleType) -> None:
     assert only_large["export"]["shapes"] == 2
 
 
-def test_disk_accounting_counts_a_hard_linked_file_once(scaling: ModuleType, tmp_path: Path) -> None:
+def test_disk_accounting_counts_a_hard_linked_file_once(tmp_path: Path) -> None:
     cache, run, source = tmp_path / "cache", tmp_path / "run", tmp_path / "source"
     for folder in (cache, run, source):
         folder.mkdir()
@@ -141,14 +130,14 @@ def test_disk_accounting_counts_a_hard_linked_file_once(scaling: ModuleType, tmp
     assert scaling.new_bytes([cache, run], before) == 2000 + 24
 
 
-def test_a_memory_refusal_is_told_apart_from_other_errors(scaling: ModuleType) -> None:
+def test_a_memory_refusal_is_told_apart_from_other_errors() -> None:
     line = "error: pass 'int4_awq' needs about 30.1 GiB, 20.0 GiB available: lower pipeline.max_memory_gib"
     assert scaling.is_preflight_refusal(2, line)
     assert not scaling.is_preflight_refusal(1, line)
     assert not scaling.is_preflight_refusal(2, "error: model.path=/x does not exist: set model.path")
 
 
-def test_the_real_shapes(scaling: ModuleType) -> None:
+def test_the_real_shapes() -> None:
     # published counts: SmolLM2-135M 134.5M, SmolLM2-360M 361.8M (same vocabulary)
     assert math.isclose(scaling.SHAPES["135m"].parameters(), 134_515_008)
     assert math.isclose(scaling.SHAPES["360m"].parameters(), 361_821_120)
@@ -156,7 +145,7 @@ def test_the_real_shapes(scaling: ModuleType) -> None:
 
 
 def test_report_merges_the_builds_of_several_saved_runs(
-    scaling: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     host = {"cpu": "test", "logical_cores": 2, "physical_cores": 2, "usable_cores": 2, "memory_gib": 24.0}
 

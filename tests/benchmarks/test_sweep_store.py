@@ -1,30 +1,22 @@
-"""``benchmarks/sweep_store.py`` counts what it claims: its patterns read the log lines the pass
+"""``python -m benchmarks.sweep_store`` counts what it claims: its patterns read the log lines the pass
 manager and the gate's score cache really write (a run that computes, then one that reuses)."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from benchmarks import sweep_store
 from evals.gate import ItemScore, cached_scores
 from pipeline.core.artifacts import Artifact
 from pipeline.core.cache import Cache
 from pipeline.core.manager import PassManager
-from tests.benchmarks import load_benchmark
 from tests.pipeline.passes_for_tests import make_source, recipe
 
 
-@pytest.fixture(scope="module")
-def sweep_store() -> ModuleType:
-    return load_benchmark("sweep_store")
-
-
-def test_counts_of_computed_and_reused_outputs(
-    sweep_store: ModuleType, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_counts_of_computed_and_reused_outputs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     source: Artifact = make_source(tmp_path)
 
     def score(engine: Path, suite: str) -> list[ItemScore]:

@@ -532,15 +532,15 @@ def test_malformed_engine_json_through_the_bench_cli(
 def test_the_peak_rss_child_never_imports_a_planted_sitecustomize(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """benchmarks/llamacpp_peer.py's fresh-process RSS probe (also benchmarks/fusion.py's)."""
-    from tests.benchmarks import load_benchmark
+    """The benchmarks' fresh-process RSS probe (``benchmarks.common.child_rss``: fusion's and the
+    llama.cpp peer's)."""
+    from benchmarks import common
 
-    peer = load_benchmark("llamacpp_peer")
     planted = tmp_path / "recipes"
     planted.mkdir()
     marker = tmp_path / "marker"
     (planted / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
     monkeypatch.setenv("PYTHONPATH", str(planted))
     script = "import sys\nfrom pipeline.runtime.generate import GenerationConfig\nprint(sys.argv[1], 7)\n"
-    assert peer.child_rss(script, ["5"], tmp_path) == {"after_load": 5, "peak_decoding": 7}
+    assert common.child_rss(script, ["5"], tmp_path) == {"after_load": 5, "peak_decoding": 7}
     assert not marker.exists()

@@ -40,7 +40,7 @@ def test_cpu_onnxruntime_has_no_gpu_provider() -> None:
 
 
 def test_gpu_check_script_stops_at_once_without_a_gpu(tmp_path: Path) -> None:
-    command = [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--out", str(tmp_path / "out")]
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path / "out")]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().startswith("error: TensorRT is not installed"), result.stderr[-2000:]
