@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from evals.gate import GateError, ItemScore
@@ -12,6 +13,41 @@ from evals.gate import GateError, ItemScore
 log = logging.getLogger(__name__)
 
 RANK_METRICS = ("acc", "acc_norm")
+# The loggers of lm-eval 0.4.13: ``lm_eval`` (and its modules' ``lm_eval.*``, by ``__name__``)
+# and ``lm-eval`` (some task modules).
+LM_EVAL_LOGGERS = ("lm_eval", "lm-eval")
+# lm-eval's advice to pass ``--metadata``, a WARNING each time a task built by a function is
+# loaded (ours all are): nothing to act on in the gate, which passes what its tasks need.
+METADATA_ADVICE = "Custom kwargs can be passed to `--metadata`"
+
+
+class _MetadataAdvice(logging.Filter):
+    """Drop lm-eval's ``--metadata`` advice unless lm-eval's logs were asked for at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if METADATA_ADVICE not in str(record.msg):
+            return True
+        return logging.getLogger(LM_EVAL_LOGGERS[0]).isEnabledFor(logging.DEBUG)
+
+
+def quiet_lm_eval() -> None:
+    """Keep lm-eval's loggers at WARNING while the gate scores (its INFO lines, six per suite and
+    engine, drown the gate's own progress), unless the user asked for more: a level set on the
+    logger already (``hydra.verbose=lm_eval``, a ``hydra.job_logging`` entry), everything at DEBUG
+    (``hydra.verbose=true``), or lm-eval's own ``LMEVAL_LOG_LEVEL``. Its ``--metadata`` advice
+    shows only at DEBUG."""
+    named = logging.getLevelName(os.environ.get("LMEVAL_LOG_LEVEL", "").strip().upper() or "-")
+    for name in LM_EVAL_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.level != logging.NOTSET:  # set by the user's logging config
+            continue
+        if isinstance(named, int):  # getLevelName gives a level's number, or text for an unknown name
+            logger.setLevel(named)
+        elif not logging.getLogger().isEnabledFor(logging.DEBUG):
+            logger.setLevel(logging.WARNING)
+    task_logger = logging.getLogger("lm_eval.api.task")
+    if not any(isinstance(f, _MetadataAdvice) for f in task_logger.filters):
+        task_logger.addFilter(_MetadataAdvice())
 
 
 def lm_eval_scores(
@@ -26,6 +62,7 @@ def lm_eval_scores(
 ) -> list[ItemScore]:
     """0/1 per item: ``rank_metric`` of the ranking task, or ``acc`` of the generative one;
     ``chat``: each item's prompt as one user turn of the tokenizer's chat template, else raw."""
+    quiet_lm_eval()
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -143,7 +144,15 @@ def cached_scores(
         scores = _recorded_scores(path, suite, digest, expected)
         if scores is None:
             log.info("eval: scoring %s of %s", suite, digest[:12])
+            started = time.monotonic()
             scores = score_fn(engine, suite)
+            log.info(
+                "eval: scored %s of %s: %d items in %.1f s",
+                suite,
+                digest[:12],
+                len(scores),
+                time.monotonic() - started,
+            )
             record = {"key": expected, "items": [asdict(s) for s in scores]}
             problem = scores_problem(json.loads(json.dumps(record)), expected)
             if problem is not None:  # never cached: it would be read back as broken
@@ -208,13 +217,31 @@ def run_gate(
     the recipe's family (``drift``: family, rule; None: the suites alone); the record the run
     manifest keeps as ``gate``. ``settings`` (suite size, scoring, ...) key the score cache."""
     rows: dict[str, dict[str, Any]] = {}
-    for suite in suites:
+    for number, suite in enumerate(suites, start=1):
+        # A line as each suite starts and ends: scoring a long suite takes minutes on a loaded host.
+        where = f"gate: suite {number}/{len(suites)} {suite}"
+        same = candidate[1] == baseline[1]
+        engines = (
+            "the engine (baseline and candidate are one)" if same else "the baseline, then the candidate"
+        )
+        log.info("%s: scoring %s", where, engines)
+        started = time.monotonic()
         base = cached_scores(score_fn, baseline[0], baseline[1], suite, settings, cache_dir)
-        if candidate[1] == baseline[1]:
+        if same:
             cand = base  # the same engine: scored once
         else:
             cand = cached_scores(score_fn, candidate[0], candidate[1], suite, settings, cache_dir)
-        rows[suite] = judge_suite(suite, base, cand, thresholds[suite], confidence, resamples, seed)
+        row = judge_suite(suite, base, cand, thresholds[suite], confidence, resamples, seed)
+        rows[suite] = row
+        log.info(
+            "%s: done, %d items in %.1f s: baseline %.1f%%, candidate %.1f%%: %s",
+            where,
+            row["n"],
+            time.monotonic() - started,
+            100 * row["baseline_mean"],
+            100 * row["candidate_mean"],
+            row["verdict"],
+        )
     token_row = judge_drift(quality, drift[1], drift[0]) if drift else None
     outcome, reason = overall({**rows, **({"token drift": token_row} if token_row else {})})
     return {

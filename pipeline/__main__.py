@@ -101,7 +101,7 @@ def main(cfg: DictConfig) -> None:
             sys.exit(code)
         return
     try:
-        code, message = run(cfg, run_dir)
+        code, message = run(cfg, run_dir, sweep_job=True)
     except Exception as exc:  # a bug: this job's status says so and the other jobs go on
         log.exception("job crashed")
         code, message = 1, f"crashed: {type(exc).__name__}: {first_line(exc)} (traceback in {run_dir})"
@@ -112,15 +112,18 @@ def main(cfg: DictConfig) -> None:
         raise interrupt
 
 
-def run(cfg: DictConfig, run_dir: Path) -> tuple[int, str]:
-    """One job: (exit code, what it ended with). Errors are printed here, one line each."""
+def run(cfg: DictConfig, run_dir: Path, sweep_job: bool = False) -> tuple[int, str]:
+    """One job: (exit code, what it ended with). Errors are printed here, one line each.
+    ``sweep_job``: a job of a multirun, whose jobs may share one stdout (joblib's workers): its
+    summary goes to ``summary.txt`` in its folder and one line to stdout; the sweep prints one
+    table of all its jobs when it ends (``pipeline.nightly.SweepStatus``)."""
     from evals.agreement import compare
     from pipeline.gate import GATE_EXIT_CODES, check_eval, gate_fn
     from pipeline.nightly import apply_nightly
     from pipeline.publish import check_registry, publish_run
     from pipeline.run import run_pipeline
     from pipeline.runtime import Engine
-    from pipeline.summary import print_summary
+    from pipeline.summary import print_summary, write_summary
 
     def quality(candidate: Path, reference: Path | None, config: QualityConfig) -> dict:
         return compare(Engine(candidate), Engine(reference) if reference else None, config)
@@ -153,7 +156,16 @@ def run(cfg: DictConfig, run_dir: Path) -> tuple[int, str]:
     except KeyboardInterrupt as exc:
         kept = "nothing half-written was kept; rerun to resume from the cache"
         return fail(exit_code(exc), f"interrupted ({_signal_name(exc)}): {kept}")
-    print_summary(result.manifest, run_dir)
+    if sweep_job:
+        verdict = result.manifest["gate"]["verdict"]
+        try:
+            where = f"summary in {write_summary(result.manifest, run_dir)}"
+        except (OSError, PipelineError) as exc:  # the run is complete and recorded: say so, go on
+            reason = describe_os_error(exc) if isinstance(exc, OSError) else first_line(exc)
+            where = f"no summary written ({reason}); record in {result.manifest_path}"
+        print(f"job {hydra_cfg.job.num}: gate {verdict}; {where}")
+    else:
+        print_summary(result.manifest, run_dir)
     published = ""
     if registry_cfg is not None:
         try:

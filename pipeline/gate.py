@@ -309,6 +309,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     interrupt_on_sigterm()
     args = parse_args(argv)
+    # The gate's progress (a line as each suite starts and ends) on stderr, as the pipeline logs it.
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
         config = load_eval_config(args.eval, list(args.set))
         check_eval(config)
@@ -330,11 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         print("interrupted: scores finished so far are cached; rerun to resume", file=sys.stderr)
         return exit_code(exc)
-    from rich.console import Console
+    from pipeline.summary import gate_table, make_console
 
-    from pipeline.summary import gate_table
-
-    Console().print(gate_table(record))
+    make_console().print(gate_table(record))
     if args.json:
         try:
             write_json(args.json, record)

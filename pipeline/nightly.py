@@ -6,8 +6,10 @@ The launcher plugin runs the jobs (joblib here; submitit for SLURM or Ray on a c
 write no scheduler). A nightly job runs the full gate unless an ``eval`` option is given, and a
 PASS is published to the registry's ``nightly`` channel unless ``registry.channel`` says
 otherwise. Each job writes ``job_status.json`` (exit code, last line) in its folder instead of
-exiting, so one failing recipe does not stop the others; :class:`SweepStatus` (a Hydra callback
-in ``configs/pipeline.yaml``) prints one line per job when the sweep ends and exits with the
+exiting, so one failing recipe does not stop the others, and its summary in ``summary.txt``
+there instead of the shared stdout (parallel jobs would interleave their tables: each prints one
+line); :class:`SweepStatus` (a Hydra callback in ``configs/pipeline.yaml``) prints one table of
+every job (from their run records) and one line per job when the sweep ends, and exits with the
 worst code.
 """
 
@@ -23,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.core.artifacts import write_json
 from pipeline.core.errors import one_line
+from pipeline.summary import make_console, sweep_table
 
 NIGHTLY_CHANNEL = "nightly"
 JOB_STATUS = "job_status.json"
@@ -48,8 +51,10 @@ def write_job_status(run_dir: Path, code: int, message: str) -> None:
 
 
 class SweepStatus(Callback):
-    """At the end of a multirun: one line per job (the overrides the sweep varied, the exit code,
-    the last line), and the sweep's exit code is the worst job's
+    """At the end of a multirun: one table of the jobs (``pipeline.summary.sweep_table``: gate
+    verdict, suite scores, drift, speed, from each job's ``manifest.json``) on stdout, one line
+    per job (the overrides the sweep varied, the exit code, the last line) on stderr, and the
+    sweep's exit code is the worst job's
     (2 bad input, 3 gate FAIL, 130 interrupted; a job that wrote no status counts as 1; a gate
     INCONCLUSIVE, 4, ranks below every failure: it asks for more evidence, not a fix)."""
 
@@ -61,14 +66,21 @@ class SweepStatus(Callback):
         overrides = {job: _job_overrides(job) for job in jobs}
         shared = set.intersection(*(set(o) for o in overrides.values())) if jobs else set()
         worst = 0
+        lines, rows = [], []
         for job in jobs:
             status_file = job / JOB_STATUS
             status = json.loads(status_file.read_text()) if status_file.is_file() else None
             code = 1 if status is None else int(status["exit_code"])
             message = "no status written (the job crashed)" if status is None else one_line(status["message"])
             varied = " ".join(o for o in overrides[job] if o not in shared)  # what the sweep varied
-            print(f"job {job.name} [{varied}]: exit {code}: {message}", file=sys.stderr)
+            lines.append(f"job {job.name} [{varied}]: exit {code}: {message}")
+            rows.append({"job": job.name, "varied": varied, "exit_code": code, "manifest": _run_record(job)})
             worst = max(worst, code, key=exit_severity)
+        if jobs:
+            sys.stdout.flush()
+            make_console().print(sweep_table(rows))
+        for line in lines:
+            print(line, file=sys.stderr)
         if worst:
             sys.exit(worst)
 
@@ -78,6 +90,18 @@ def exit_severity(code: int) -> tuple[bool, bool, int]:
     from pipeline.gate import GATE_INCONCLUSIVE
 
     return code != 0, code != GATE_INCONCLUSIVE, code
+
+
+def _run_record(job: Path) -> dict[str, Any] | None:
+    """The job's run record (``manifest.json``), or None: none written (the job failed before
+    the end), or unreadable."""
+    from pipeline.manifest import MANIFEST_FILE  # (its imports are the job's, not the launcher's)
+
+    try:
+        record = json.loads((job / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _job_overrides(job: Path) -> list[str]:

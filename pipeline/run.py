@@ -39,14 +39,17 @@ from pipeline.manifest import MANIFEST_FILE, build_manifest, write_manifest
 from pipeline.serving_bench import plot_serving
 from pipeline.sources import resolve_source
 from pipeline.speculative import attach_draft, build_draft, draft_passes, draft_summary, speculative_config
+from pipeline.summary import SUMMARY_FILE, gate_verdict_lines
 
 log = logging.getLogger(__name__)
 
 ENGINE_DIR = "engine"
 # The lock-owned staging a run keeps in its folder while it runs (``staging.unique_name``): the
-# engine copy, the scratch cache of ``pipeline.cache=false`` and the run record's temporary file.
+# engine copy, the scratch cache of ``pipeline.cache=false``, the run record's temporary file and
+# (a sweep's job) its summary's.
 RUN_STAGING = re.compile(
-    rf"\.({ENGINE_DIR}|{ENGINE_DIR}\.old|work|{re.escape(MANIFEST_FILE)})\.\d+\.[0-9a-f]{{12}}"
+    rf"\.({ENGINE_DIR}|{ENGINE_DIR}\.old|work|{re.escape(MANIFEST_FILE)}|{re.escape(SUMMARY_FILE)})"
+    rf"\.\d+\.[0-9a-f]{{12}}"
 )
 SERVING_PLOT = "serving.png"  # bench=serving: throughput vs concurrency
 # Groups whose passes optimize; the reference engine is the same recipe with all of them off.
@@ -198,6 +201,7 @@ def run_pipeline(
             gate_cache = cache.root if cache.enabled else None
             calibrated = calibration_length([p.config_dict() for p in passes])
             gate = gate_fn(engine, reference, eval_cfg, quality, family, gate_cache, calibrated)
+            log_verdict(gate)  # now, not after the benchmark: the summary repeats it
         if bench_cfg.enabled:  # measured where the engine lies, before anything lands in run_dir
             bench_cache = Path(cfg.pipeline.cache_dir) if cfg.pipeline.cache else None
             peer = None
@@ -227,6 +231,14 @@ def run_pipeline(
         started=started,
     )
     return RunResult(run_dir, engine_dir, write_manifest(run_dir, manifest), manifest)
+
+
+def log_verdict(gate: dict[str, Any]) -> None:
+    """The gate's verdict and its per-suite numbers, one log line each, as soon as it is known
+    (a PASS at INFO, a FAIL or INCONCLUSIVE at WARNING)."""
+    level = logging.INFO if gate.get("verdict") == "PASS" else logging.WARNING
+    for line in gate_verdict_lines(gate):
+        log.log(level, "%s", line)
 
 
 def _quality(

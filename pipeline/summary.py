@@ -1,24 +1,59 @@
-"""The summary printed at the end of a run: passes, parity, benchmark, where things are."""
+"""The summary printed at the end of a run: passes, parity, benchmark, where things are; the
+gate's verdict lines (logged as soon as the gate ends) and the combined table of a sweep.
+
+Every rich table the run prints goes through :func:`make_console`: on a terminal rich's own
+console (the terminal's width), elsewhere (a log file, a nightly job, CI) one so wide that no
+table is squeezed: rich would otherwise fit it in 80 columns and cut its cells (``reaso…``)."""
 
 from __future__ import annotations
 
+import io
+import os
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+from pipeline.core.staging import owned_folder, unique_name
+
+# The width of a console that is no terminal: wider than any table of ours, so rich never
+# wraps or cuts a cell (tables stay as narrow as their content; text lines are not padded).
+LOG_WIDTH = 1000
+SUMMARY_FILE = "summary.txt"  # a sweep's job: its summary, in its own folder
+
+
+def make_console(file: IO[str] | None = None) -> Console:
+    """A console for our tables: rich's own on a terminal, a :data:`LOG_WIDTH`-column one
+    without a terminal (a file, a pipe, a log), so no number is cut."""
+    console = Console(file=file)
+    if console.is_terminal:
+        return console
+    return Console(file=file, width=LOG_WIDTH)
 
 
 def _short(digest: str) -> str:
     return digest[:12]
 
 
+def write_summary(manifest: dict[str, Any], run_dir: Path) -> Path:
+    """The summary of :func:`print_summary` as plain text in ``run_dir/summary.txt`` (a sweep's
+    job writes it there instead of the shared stdout), by atomic rename from a lock-owned
+    staging folder (what a SIGKILL leaves, the next run removes: ``pipeline.run.RUN_STAGING``)."""
+    buffer = io.StringIO()
+    print_summary(manifest, run_dir, Console(file=buffer, width=LOG_WIDTH, color_system=None))
+    path = run_dir / SUMMARY_FILE
+    with owned_folder(run_dir / unique_name(f".{SUMMARY_FILE}")) as staging:
+        staged = staging / SUMMARY_FILE
+        staged.write_text(buffer.getvalue(), encoding="utf-8")
+        os.replace(staged, path)
+    return path
+
+
 def print_summary(manifest: dict[str, Any], run_dir: Path, console: Console | None = None) -> None:
     if console is None:
-        console = Console()
-        if not console.is_terminal:  # logs and CI: do not wrap tables at 80 columns
-            console.width = 120
+        console = make_console()
     passes = Table(title="Passes", title_justify="left")
     for column in ("#", "pass", "version", "cache", "seconds", "peak RSS", "estimate", "output", "notes"):
         passes.add_column(column)
@@ -238,15 +273,92 @@ def gate_table(gate: dict[str, Any]) -> Table:
         )
     drift = gate.get("drift")
     if drift:
-        measured = drift.get("measured")
-        numbers = (
-            f"KL {measured['kl']:.4f}, top-1 {measured['top1']:.1%}, ppl x{measured['ppl_ratio']:.3f}"
-            if measured
-            else "not measured"
-        )
+        numbers = _drift_numbers(drift)
         label = f"token drift ({drift['family']})"
         table.add_row(label, "", "", "", numbers, "", "", "", _verdict_text(drift["verdict"]))
     return table
+
+
+def gate_verdict_lines(gate: dict[str, Any]) -> list[str]:
+    """The gate's verdict as text lines, logged as soon as the gate ends (before the benchmark):
+    ``gate PASS: <reason>``, then one line per suite (items, scores, difference with its CI,
+    verdict) and one for the token-level drift."""
+    lines = [f"gate {gate['verdict']}: {gate['reason']}"]
+    for suite, row in (gate.get("suites") or {}).items():
+        lines.append(
+            f"  {suite}: {row['n']} items, baseline {row['baseline_mean']:.1%}, candidate "
+            f"{row['candidate_mean']:.1%}, difference {row['difference']:+.1%} "
+            f"[{row['ci_low']:+.1%}, {row['ci_high']:+.1%}]: {row['verdict']}"
+        )
+    drift = gate.get("drift")
+    if drift:
+        lines.append(f"  token drift ({drift['family']}): {_drift_numbers(drift)}: {drift['verdict']}")
+    return lines
+
+
+def _drift_numbers(drift: dict[str, Any]) -> str:
+    measured = drift.get("measured")
+    if not measured:
+        return "not measured"
+    return f"KL {measured['kl']:.4f}, top-1 {measured['top1']:.1%}, ppl x{measured['ppl_ratio']:.3f}"
+
+
+def sweep_table(jobs: list[dict[str, Any]]) -> Table:
+    """One row per job of a sweep (``pipeline.nightly.SweepStatus``): the overrides the sweep
+    varied, the exit code, the gate verdict, each suite's candidate score and difference, the
+    token drift, the median TPOT and TTFT. ``jobs``: dicts of ``job``,
+    ``varied``, ``exit_code`` and ``manifest`` (the run record, or None where the job wrote none)."""
+    suites: list[str] = []
+    for job in jobs:
+        gate = (job.get("manifest") or {}).get("gate")
+        found = gate.get("suites") if isinstance(gate, dict) else None
+        for suite in found if isinstance(found, dict) else {}:
+            if suite not in suites:
+                suites.append(str(suite))
+    table = Table(title=f"Sweep: {len(jobs)} job(s)", title_justify="left")
+    table.add_column("job", justify="right")
+    table.add_column("overrides")
+    table.add_column("exit", justify="right")
+    table.add_column("gate")
+    for suite in suites:
+        table.add_column(f"{suite} (Δ)", justify="right")
+    for column in ("token drift", "TPOT ms", "TTFT ms"):
+        table.add_column(column, justify="right")
+    for job in jobs:
+        manifest = job.get("manifest") or {}
+        try:
+            cells = _sweep_cells(manifest, suites)
+        except (KeyError, TypeError, ValueError, AttributeError):  # a record we cannot read: no numbers
+            cells = ["-"] * (len(suites) + 3)
+        verdict = (manifest.get("gate") or {}).get("verdict") if isinstance(manifest, dict) else None
+        table.add_row(
+            str(job["job"]),
+            job.get("varied") or "",
+            str(job["exit_code"]),
+            _verdict_text(str(verdict or "-")),
+            *cells,
+        )
+    return table
+
+
+def _sweep_cells(manifest: dict[str, Any], suites: list[str]) -> list[str]:
+    """A job's numbers in :func:`sweep_table`: each suite, the token drift, TPOT, TTFT."""
+    gate = manifest.get("gate") or {}
+    rows = gate.get("suites") or {}
+    scores = [
+        f"{rows[s]['candidate_mean']:.1%} ({rows[s]['difference']:+.1%})" if s in rows else "-"
+        for s in suites
+    ]
+    drift = gate.get("drift")
+    bench = manifest.get("benchmark") or {}
+    tpot = (bench.get("tpot") or {}).get("median_ms")
+    ttft = [f"@{n} {row['median_ms']:.1f}" for n, row in (bench.get("ttft") or {}).items()]
+    return [
+        *scores,
+        _drift_numbers(drift) if drift else "-",
+        "-" if tpot is None else f"{tpot:.2f}",
+        ", ".join(ttft) or "-",
+    ]
 
 
 VERDICT_STYLES = {"PASS": "green", "FAIL": "bold red", "INCONCLUSIVE": "yellow"}

@@ -238,3 +238,27 @@ def test_concurrent_jobs_score_an_engine_once(tmp_path: Path) -> None:
     assert calls == ["reasoning"]
     assert len(results) == 3 and all(r == results[0] for r in results)
     assert not list((tmp_path / ".staging").glob("*.lock"))  # released and removed
+
+
+def test_run_gate_logs_each_suite_as_it_starts_and_ends(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Scoring a suite takes minutes on a loaded host: a line as each starts and as it ends, with
+    its item count and seconds (and one per engine scored), through the project's logger."""
+
+    def score(engine: Path, suite: str) -> list[ItemScore]:
+        return scores([1, 0, 1] * (4 if suite == "a" else 5), prefix=suite)
+
+    thresholds = {"a": GateThresholds(), "b": GateThresholds()}
+    kwargs = dict(suites=["a", "b"], thresholds=thresholds, score_fn=score, settings={})
+    with caplog.at_level("INFO", logger="evals.gate"):
+        run_gate((tmp_path / "c", "d-c"), (tmp_path / "b", "d-b"), **kwargs, cache_dir=tmp_path)
+    lines = [r.getMessage() for r in caplog.records if r.name == "evals.gate"]
+    started = [i for i, line in enumerate(lines) if line.startswith("gate: suite ") and ": scoring " in line]
+    ended = [i for i, line in enumerate(lines) if line.startswith("gate: suite ") and ": done, " in line]
+    assert [lines[i].split(":")[1] for i in started] == [" suite 1/2 a", " suite 2/2 b"]
+    assert len(ended) == 2 and started[0] < ended[0] < started[1] < ended[1]
+    assert " 12 items in " in lines[ended[0]] and " 15 items in " in lines[ended[1]]
+    assert lines[ended[0]].endswith(": PASS") and "baseline 66.7%, candidate 66.7%" in lines[ended[0]]
+    scored = [line for line in lines if line.startswith("eval: scored a of d-c: 12 items in ")]
+    assert len(scored) == 1 and scored[0].endswith(" s")

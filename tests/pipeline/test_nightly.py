@@ -69,6 +69,21 @@ def test_a_joblib_multirun_runs_the_matrix_and_publishes_only_passing_jobs(
     )
     assert status["1"]["exit_code"] == 4 and status["1"]["message"].startswith("gate INCONCLUSIVE: reasoning")
     assert "job 1 [eval.thresholds.reasoning.min_recovery=1.5]: exit 4" in result.stderr
+    # One table for the sweep, printed once at its end; each job's own summary in its folder, and
+    # one line of it on the shared stdout (two jobs' tables would interleave there).
+    assert result.stdout.count("Sweep: 2 job(s)") == 1
+    assert "Passes" not in result.stdout and "Eval gate (" not in result.stdout
+    table = result.stdout[result.stdout.index("Sweep: 2 job(s)") :].splitlines()
+    rows = {line.split()[1]: line for line in table if line.split()[1:2] in (["0"], ["1"])}
+    assert "min_recovery=0.5" in rows["0"] and "PASS" in rows["0"] and "reasoning (Δ)" in table[2]
+    assert "min_recovery=1.5" in rows["1"] and "INCONCLUSIVE" in rows["1"] and " 4 " in rows["1"]
+    for job in ("0", "1"):
+        summary = (sweep / job / "summary.txt").read_text()
+        assert "Eval gate (quick suites, rank scoring)" in summary and "…" not in summary
+        assert (
+            f"job {job}: gate " in result.stdout
+            and f"summary in {sweep / job / 'summary.txt'}" in result.stdout
+        )
     from pipeline.registry import LocalRegistry, Ref
 
     store = LocalRegistry(tmp_path / "artifacts" / "registry")
