@@ -9,6 +9,7 @@ from typing import Any
 
 from pipeline.config import RegistryConfig
 from pipeline.registry import RegistryError, open_registry
+from pipeline.registry.records import REUSED
 from pipeline.registry.refs import check_channel, check_name
 
 # Optimization groups named in a recipe's registry name after its quant option, when not none.
@@ -46,7 +47,8 @@ def registry_names(choices: Mapping[str, str | None], config: RegistryConfig) ->
 def publish_run(
     config: RegistryConfig, run_dir: Path, manifest: dict[str, Any], choices: Mapping[str, str | None]
 ) -> str:
-    """Publish if the verdict allows; return the line to print either way."""
+    """Publish if the verdict allows; return the line to print either way (an engine a version
+    already holds is not published again: the line names that version)."""
     check_registry(config)
     verdict = (manifest.get("gate") or {}).get("verdict", "not-run")
     if verdict == "FAIL" and config.force is None:
@@ -68,6 +70,8 @@ def publish_run(
     record = store.publish(
         run_dir, model=model, recipe=recipe, channel=config.channel, force=config.force, manifest=manifest
     )
+    if record.get(REUSED):  # a version holds this very engine already: no new version
+        return f"{record[REUSED]} (registry {store.root})"
     where = f" (channel {config.channel})" if config.channel else ""
     forced = f" [forced: {config.force}]" if record["forced"] else ""
     name = f"{model}/{recipe}/{record['target']}@{record['version']}"

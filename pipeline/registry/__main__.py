@@ -5,6 +5,7 @@
     python -m pipeline.registry pull llama/fp8@stable --to DIR      # every sha256 checked
     python -m pipeline.registry promote llama/fp8@3 --channel stable
     python -m pipeline.registry publish artifacts/runs/<time> --model llama --recipe fp8 [--force WHY]
+                                  # an engine a version already holds: that version, no new one
     python -m pipeline.registry verify                                # exit 1 when anything is wrong
     python -m pipeline.registry gc
     python -m pipeline.registry --uri http://127.0.0.1:5000 list      # the MLflow backend
@@ -31,7 +32,7 @@ from rich.table import Table
 from pipeline.core.errors import PipelineError, one_line
 from pipeline.core.signals import exit_code, interrupt_on_sigterm
 from pipeline.registry import CHANNELS, DEFAULT_ROOT, Ref, open_registry
-from pipeline.registry.records import Registry, describe
+from pipeline.registry.records import REUSED, Registry, describe
 
 
 def _list(store: Registry, args: argparse.Namespace) -> int:
@@ -126,6 +127,9 @@ def _publish(store: Registry, args: argparse.Namespace) -> int:
     record = store.publish(
         args.run_dir, model=args.model, recipe=args.recipe, channel=args.channel, force=args.force
     )
+    if record.get(REUSED):  # a version holds this engine already: no new version was made
+        print(record[REUSED])
+        return 0
     print(f"published {record['model']}/{record['recipe']}/{record['target']}@{record['version']}")
     return 0
 

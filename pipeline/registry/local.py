@@ -19,8 +19,12 @@ the same name is hashed too: one whose bytes do not match its name is replaced, 
 then the version record is linked into place (``os.link`` fails on an existing name, so a version
 is never overwritten). That link is the commit: a publisher killed before it leaves only a
 staging folder and unreferenced blobs, which ``gc`` removes; killed after it, the version is
-complete. The index is derived from the version and channel files: readers compute it from them,
-and a stale ``index.json`` (killed between the two) is rewritten by the next writer or ``verify``.
+complete. An engine a version of the same model/recipe/target already holds (the same digest,
+computed from the file list: path and sha256 of every file) makes no new version: under the lock
+that allocates versions, the requested channel moves to that version, which is returned (its
+blobs were still hashed and repaired as above; no record is written). The index is derived
+from the version and channel files: readers compute it from them, and a stale ``index.json``
+(killed between the two) is rewritten by the next writer or ``verify``.
 Writers hold a file lock (``filelock``) for the whole publish, so concurrent publishers queue:
 versions stay distinct and ``gc`` never sees another publisher's blobs before their record.
 
@@ -61,7 +65,9 @@ from pipeline.core.staging import check_lock_path, owned_folder, remove_abandone
 from pipeline.registry.records import (
     ENGINE_DIR,
     RECORD_SCHEMA,
+    REUSED,
     SHA256,
+    Publication,
     check_channel_file,
     check_engine_spec,
     check_record,
@@ -205,7 +211,9 @@ class LocalRegistry:
         ``channel`` to it. ``manifest`` is the run's own record (``publish_run`` passes it), else
         ``run_dir/manifest.json`` is read; the engine folder must match it file for file, byte
         for byte. Refused unless the run's gate verdict is PASS, or ``force`` gives the reason to
-        publish anyway."""
+        publish anyway. An engine a version of model/recipe/target already holds (the same files,
+        byte for byte) makes no new version: ``channel`` is moved to that version and its record
+        returned with ``reused``, the line saying so."""
         stage = on_stage or (lambda _: None)
         publication = prepare_publication(run_dir, model, recipe, channel, force, manifest)
         ref = publication.ref
@@ -228,9 +236,15 @@ class LocalRegistry:
                 for sha256, tmp in staged:  # every file matched its record: store them
                     self._place_blob(sha256, tmp)
                 stage("blobs")
-                version = self._next_version(ref)
-                record = publication.record(version)
-                self._commit_record(ref.at(version), record, staging)
+                # Under the lock that allocates versions: an engine a version already holds is
+                # not published again (its blobs were checked above, and repaired if corrupt).
+                holder = publication.holder(self._records_of(ref))
+                if holder is None:
+                    version = self._next_version(ref)
+                    record = publication.record(version)
+                    self._commit_record(ref.at(version), record, staging)
+            if holder is not None:
+                return self._reuse(publication, holder, stage)
             stage("record")
             self._write_index()
             stage("index")
@@ -240,6 +254,34 @@ class LocalRegistry:
                 stage("channel")
         log.info("published %s", ref.at(version))
         return record
+
+    def _records_of(self, ref: Ref) -> Iterator[dict[str, Any]]:
+        """The well-formed version records of model/recipe/target (a malformed one is skipped:
+        ``list`` and ``verify`` name it)."""
+        for path in sorted(self._versions_dir(ref).glob("*.json")):
+            if path.stem.isdigit():
+                try:
+                    yield self._read_record(path)
+                except RegistryError:
+                    continue
+
+    def _reuse(self, publication: Publication, holder: dict[str, Any], stage: StageHook) -> dict[str, Any]:
+        """The publish of an engine the version ``holder`` holds already (the lock held): the
+        channel asked for moved to it (unless it points there), no version made."""
+        ref, channel = publication.ref.at(holder["version"]), publication.channel
+        moved = False
+        if channel:
+            current = self._read_channel(self._channel_file(ref, channel))
+            if current is None or current["version"] != holder["version"]:
+                self._move_channel(ref, channel, f"published {holder['version']} again")
+                moved = True
+        self._write_index()  # a stale one (a publisher killed before it) is rewritten, as always
+        stage("index")
+        if moved:
+            stage("channel")
+        result = publication.reused(holder, moved)
+        log.info("%s", result[REUSED])
+        return result
 
     def _place_blob(self, sha256: str, staged: Path) -> None:
         """Store a staged file (its sha256 checked) as the blob of that name. A blob already there

@@ -9,7 +9,10 @@ run manifest lists, hashed as they are staged) and ``manifest.json``; then a mod
 that run, whose number the server assigns (so concurrent publishers get distinct versions), with
 the version record (names, gate verdict, forced reason, engine digest, files with sha256,
 TensorRT build) and headline manifest fields as tags. Channels are registered-model aliases;
-their history is a registered-model tag. The model version is the commit: a publisher killed
+their history is a registered-model tag. An engine a version already holds (the same file
+list: path and sha256 of every file) is not uploaded again; the channel moves to that version.
+Publishers of one engine that race (MLflow has no lock) each make a version, then every one but
+the earliest deletes its own. The model version is the commit: a publisher killed
 before it leaves a run no version references, which ``gc`` deletes.
 """
 
@@ -26,6 +29,8 @@ from pipeline.core.artifacts import sha256_file, write_json
 from pipeline.registry.records import (
     ENGINE_DIR,
     MANIFEST_FILE,
+    REUSED,
+    Publication,
     check_engine_spec,
     check_history,
     check_record,
@@ -96,10 +101,14 @@ class MlflowRegistry:
         manifest: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """As :meth:`LocalRegistry.publish`, into MLflow (the same checks of the run's record and
-        engine folder; every file hashed as it is staged)."""
+        engine folder; every file hashed as it is staged). An engine a version already holds is
+        not uploaded again: the channel moves to that version, returned with ``reused``."""
         publication = prepare_publication(run_dir, model, recipe, channel, force, manifest)
         ref = publication.ref
         name = model_name(ref)
+        holder = self._holder(publication)
+        if holder is not None:  # nothing uploaded: that version holds this engine already
+            return self._reuse(publication, holder)
         with tempfile.TemporaryDirectory(prefix="publish-") as tmp:
             staged = Path(tmp) / ENGINE_DIR
             for entry in publication.files:
@@ -134,10 +143,46 @@ class MlflowRegistry:
         )
         self._call("mark run published", self.client.set_tag, run_id, f"{TAG}.pending", "0")
         record["version"] = int(version.version)
+        # No lock spans the check above and the server assigning the number: a publisher of the
+        # same engine that raced this one made its version too. The earliest stays; a later one
+        # deletes itself (and its run) and moves the channel to the earliest instead.
+        holder = self._holder(publication)
+        if holder is not None and holder["version"] < record["version"]:
+            self._call(
+                "delete the duplicate version", self.client.delete_model_version, name, version.version
+            )
+            self._call("delete the duplicate run", self.client.delete_run, run_id)
+            return self._reuse(publication, holder)
         if channel:
             self._move_channel(ref, int(version.version), channel, f"published {version.version}")
         log.info("published %s to %s", ref.at(record["version"]), self.uri)
         return record
+
+    def _holder(self, publication: Publication) -> dict[str, Any] | None:
+        """The earliest version of the publication's registered model holding its engine (read
+        from the version tags; a malformed version is skipped: ``list`` and ``verify`` name it)."""
+        records = []
+        for version in self._versions(model_name(publication.ref)):
+            try:
+                records.append(self._record(version, with_manifest=False))
+            except RegistryError:
+                continue
+        return publication.holder(records)
+
+    def _reuse(self, publication: Publication, holder: dict[str, Any]) -> dict[str, Any]:
+        """The publish of an engine the version ``holder`` holds already: the channel asked for
+        moved to it (unless it points there), that version's record returned with ``reused``."""
+        ref = publication.ref.at(holder["version"])
+        channel = publication.channel
+        moved = False
+        if channel:
+            registered = self._call("get model", self.client.get_registered_model, model_name(ref))
+            if str((registered.aliases or {}).get(channel)) != str(holder["version"]):
+                self._move_channel(ref, holder["version"], channel, f"published {holder['version']} again")
+                moved = True
+        result = publication.reused(self._record(self._version(ref)), moved)
+        log.info("%s (%s)", result[REUSED], self.uri)
+        return result
 
     def _ensure_model(self, ref: Ref) -> None:
         from mlflow.exceptions import MlflowException

@@ -10,13 +10,13 @@ import json
 import os
 import platform
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
-from pipeline.core.artifacts import sha256_file, write_json
+from pipeline.core.artifacts import digest_of, sha256_file, write_json
 from pipeline.core.engine import read_engine_spec
 from pipeline.core.errors import PipelineError, first_line
 from pipeline.core.files import UnsafeFileError, open_regular, read_regular_text
@@ -321,6 +321,16 @@ def check_history(history: Any, where: str) -> list[dict[str, Any]]:
     return history
 
 
+REUSED = "reused"  # in what publish returns (never stored): the line saying no version was made
+
+
+def engine_digest(files: list[dict[str, Any]]) -> str:
+    """What identifies an engine: the digest of its folder (``folder_digest``, what a run records
+    as ``engine.digest``), computed from its file list (path and sha256 of every file), so a run's
+    manifest and a stored record compare alike whatever their ``engine.digest`` field says."""
+    return digest_of({entry["path"]: entry["sha256"] for entry in files})
+
+
 @dataclass
 class Publication:
     """A run folder that may be published: its manifest, engine files and the names it gets."""
@@ -332,6 +342,40 @@ class Publication:
     files: list[dict[str, Any]]
     channel: str | None
     forced: str | None  # the reason, when the verdict is not PASS
+
+    @property
+    def digest(self) -> str:
+        """The engine's digest (:func:`engine_digest` of the files the run recorded)."""
+        return engine_digest(self.files)
+
+    def holder(self, records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+        """The earliest of ``records`` (versions of any entry) that is of this model/recipe/target
+        and holds this very engine (the same files, byte for byte), else None. A backend asks it
+        where it allocates the next version (under its lock): publishing an engine the registry
+        already holds makes no new version."""
+        digest = self.digest
+        same = [
+            record
+            for record in records
+            if (record["model"], record["recipe"], record["target"]) == self.ref.key
+            and engine_digest(record["engine"]["files"]) == digest
+        ]
+        return min(same, key=lambda record: record["version"], default=None)
+
+    def reused(self, record: dict[str, Any], moved: bool) -> dict[str, Any]:
+        """What a publish returns when ``record`` (the :meth:`holder`) already holds the engine: that
+        version's record with ``reused``, the line saying so (``moved``: the channel asked for was
+        moved to it; it pointed there already otherwise)."""
+        version = record["version"]
+        name = f"{record['model']}/{record['recipe']}/{record['target']}@{version}"
+        if self.channel is None:
+            outcome = "nothing published"
+        elif moved:
+            outcome = f"channel {self.channel} moved to @{version}"
+        else:
+            outcome = f"channel {self.channel} already points at @{version}"
+        line = f"{name} already holds this engine (sha256 {self.digest[:12]}); {outcome}"
+        return {**record, REUSED: line}
 
     def record(self, version: int) -> dict[str, Any]:
         """The version record a backend stores (the run manifest inside)."""
@@ -491,7 +535,11 @@ class Registry(Protocol):
         channel: str | None = None,
         force: str | None = None,
         manifest: dict[str, Any] | None = None,
-    ) -> dict[str, Any]: ...
+    ) -> dict[str, Any]:
+        """The new version's record; or, when a version of model/recipe/target holds this engine
+        already (:meth:`Publication.holder`), that version's record with ``REUSED`` (the line to
+        print; the channel asked for is moved to it)."""
+        ...
 
     def resolve(self, ref: Ref) -> dict[str, Any]: ...
 

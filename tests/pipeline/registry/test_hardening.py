@@ -272,6 +272,8 @@ def test_a_corrupt_blob_is_replaced_on_publish_never_reused(
     blob.symlink_to(run / "engine" / "model.onnx")
     store.publish(run, model="llama", recipe="int8")
     assert not blob.is_symlink() and sha256_file(blob) == sha
+    # each publish of the same engine was version 1 again: its blobs repaired, no version made
+    assert [v["version"] for v in store.index()["versions"]] == [1]
 
 
 # -- item 6: one malformed record does not break the others ------------------------------------

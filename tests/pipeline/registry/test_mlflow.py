@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -175,6 +176,61 @@ def test_four_concurrent_publishers_get_distinct_versions(
     assert [p.returncode for p in processes] == [0, 0, 0, 0], errors
     versions = [v["version"] for v in open_registry(uri=uri).index()["versions"] if v["model"] == "busy"]
     assert sorted(versions) == [1, 2, 3, 4]
+
+
+def test_the_same_engine_published_twice_is_one_version(
+    mlflow_uri: tuple[str, Path], run_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the local registry (test_republish.py): no second version, no second upload; the channel
+    asked for moves to the version holding the engine; another engine is a new version."""
+    from mlflow import MlflowClient
+    from mlflow.entities import ViewType
+
+    from pipeline.registry.mlflow import EXPERIMENT, MlflowRegistry
+
+    uri, _ = mlflow_uri
+    store = open_registry(uri=uri)
+    client = MlflowClient(uri)
+    first = store.publish(run_factory(seed=1), model="again", recipe="int8", channel="nightly")
+    experiment = client.get_experiment_by_name(EXPERIMENT).experiment_id
+
+    def runs(deleted: bool = False) -> list[Any]:  # this test's publish runs, by the ref tag
+        found = client.search_runs(
+            [experiment], "tags.`llm_pipeline.ref` = 'again/int8/ort-cpu'", run_view_type=ViewType.ALL
+        )
+        return [r for r in found if (r.info.lifecycle_stage == "deleted") is deleted]
+
+    assert len(runs()) == 1
+    same = store.publish(run_factory(seed=1), model="again", recipe="int8")
+    assert same["version"] == first["version"] == 1 and len(runs()) == 1  # nothing uploaded
+    assert same["reused"].startswith("again/int8/ort-cpu@1 already holds this engine (sha256 ")
+    assert same["reused"].endswith("; nothing published")
+    assert same["manifest"]["overrides"] == ["seed=1"]
+    other = store.publish(run_factory(seed=2), model="again", recipe="int8", channel="nightly")
+    assert other["version"] == 2 and "reused" not in other
+    back = store.publish(run_factory(seed=1), model="again", recipe="int8", channel="nightly")
+    assert back["version"] == 1 and back["reused"].endswith("; channel nightly moved to @1")
+    assert store.resolve(Ref.parse("again/int8@nightly"))["version"] == 1
+    assert [h["version"] for h in store.channel_history(Ref.parse("again/int8"), "nightly")] == [1, 2, 1]
+    still = store.publish(run_factory(seed=1), model="again", recipe="int8", channel="nightly")
+    assert still["reused"].endswith("; channel nightly already points at @1")
+    assert len(runs()) == 2  # only the other engine was uploaded
+    # A publisher that raced another with the same engine (both saw no version holding it) makes
+    # its version, then finds the earlier one, deletes its own and moves the channel there.
+    real = MlflowRegistry._holder
+    calls = iter(range(100))
+    monkeypatch.setattr(
+        MlflowRegistry, "_holder", lambda self, pub: None if next(calls) == 0 else real(self, pub)
+    )
+    raced = store.publish(run_factory(seed=2), model="again", recipe="int8", channel="stable")
+    assert raced["version"] == 2 and raced["reused"].endswith("; channel stable moved to @2")
+    versions = [v["version"] for v in store.index()["versions"] if v["model"] == "again"]
+    assert versions == [1, 2]
+    assert store.resolve(Ref.parse("again/int8@stable"))["version"] == 2
+    assert not [problem for problem in store.verify() if "again/" in problem]  # (others: other tests)
+    assert len(runs(deleted=True)) == 1 and len(runs()) == 2  # the duplicate's run is deleted
+    monkeypatch.undo()
+    assert store.publish(run_factory(seed=3), model="again", recipe="int8")["version"] == 4  # 3 stays unused
 
 
 def test_gc_deletes_the_run_of_a_publisher_that_never_made_its_version(mlflow_uri: tuple[str, Path]) -> None:
