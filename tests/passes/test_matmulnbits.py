@@ -324,19 +324,16 @@ def test_int4_gptq_on_the_default_model(tmp_path: Path) -> None:
     calibration = ["quant.calibration.num_samples=8", "quant.calibration.seq_len=128"]
     # accuracy_level=0: fp32 compute, so the graph must equal the fake-quantized torch model (the
     # default, 4, quantizes activations to int8 per block: ~92% greedy agreement with it).
-    scan = "quant.sensitivity.enabled=true"  # the scan on the default model's 211 layers, for the record
-    cfg = compose_recipe(["model=llama", "quant=int4_gptq", *calibration, "quant.accuracy_level=0", scan])
+    # No sensitivity scan here (it was most of this test's time): its ranking is checked on the tiny
+    # model (tests/passes/test_sensitivity.py), and the layer count below on the real one.
+    cfg = compose_recipe(["model=llama", "quant=int4_gptq", *calibration, "quant.accuracy_level=0"])
     model_cfg = OmegaConf.to_object(cfg.model)
     assert isinstance(model_cfg, ModelConfig)
     source = resolve_source(model_cfg, REPO / "artifacts" / "models")  # shared with the CLI: converted once
     engine_artifact, records = PassManager(build_passes(cfg), Cache(tmp_path / "cache")).run(source)
-    assert [r.name for r in records] == ["sensitivity", "gptq", "export", "int4_lowering", "ort_build"]
-    scan = records[0].metrics  # per-layer KL of int4 round-to-nearest, one layer at a time
-    kl = [entry["kl"] for entry in scan["ranking"]]
-    assert scan["layers"] == len(kl) == 211 and kl == sorted(kl, reverse=True) and kl[-1] >= 0
-    assert 0 < kl[0] <= scan["kl_all_quantized"]
-    assert records[1].metrics["quantized_layers"] == 30 * 7 + 1 and records[1].metrics["untied_lm_head"]
-    assert records[3].metrics["parity_vs_input_graph"]["top1_agreement"] == 1.0
+    assert [r.name for r in records] == ["gptq", "export", "int4_lowering", "ort_build"]
+    assert records[0].metrics["quantized_layers"] == 30 * 7 + 1 and records[0].metrics["untied_lm_head"]
+    assert records[2].metrics["parity_vs_input_graph"]["top1_agreement"] == 1.0
     graph = onnx.load(str(engine_artifact.path / MODEL_FILE), load_external_data=False)
     assert sum(n.op_type == "MatMulNBits" for n in graph.graph.node) == 211
     assert (engine_artifact.path / DATA_FILE).stat().st_size < 250_000_000  # fp32: 651 MB
