@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -545,8 +544,19 @@ LAUNCHER_CODE_KEYS += ("worker_setup_commands", "env_setup", "initialization_com
 INSTANTIATED_NODES = ("callbacks", "job", "launcher", "sweeper", "job_logging", "hydra_logging")
 INSTANTIATED_NODES += ("searchpath", "overrides")
 INSTANTIATE_KEYS = ("_target_", "_args_", "_partial_", "_recursive_", "_convert_")
-# Logging config values that import a module (ext://) other than these streams.
-LOGGING_STREAMS = ("ext://sys.stdout", "ext://sys.stderr")
+# Hydra hands these to ``logging.config.dictConfig`` as a command or a job starts: a handler opens
+# any file (``mode: w`` empties it; a ``.pth`` in site-packages runs its ``import`` lines at every
+# later python start) and its formatter writes any text there; a class, a ``()`` factory or an
+# ``ext://`` value imports code. Our configs set none of it (Hydra's packaged defaults do): a file
+# may set only ``version: 1`` and the ``level`` of the root logger or of a named one.
+LOGGING_NODES = ("job_logging", "hydra_logging")
+LOGGING_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARN", "WARNING", "INFO", "DEBUG", "NOTSET")
+# Resolvers a recipe file may call: the ones our configs use (``configs/pipeline.yaml``'s run
+# folders), which read neither the environment nor Hydra's config. Any other (``oc.env``,
+# ``oc.decode``, ``oc.create``, ``oc.select``, ``hydra``, ``python_version``, one whose name is
+# itself interpolated) may copy the environment into what a run records, or build a node no
+# check saw.
+FILE_RESOLVERS = ("now", "run_suffix", "launch_dir")
 
 
 def trusted_source(source: str) -> bool:
@@ -569,11 +579,19 @@ def source_file(source: str, config_path: str | None) -> str:
     return str(Path(where) / name)
 
 
-def _refuse(file: str, key: str, why: str) -> ConfigError:
+def _refuse(file: str, key: str, why: str, never: str = "runs code") -> ConfigError:
     return ConfigError(
-        f"{file}: {key} {why}; a recipe file never runs code: remove it from the file (the command "
+        f"{file}: {key} {why}; a recipe file never {never}: remove it from the file (the command "
         "line may set it, as trusted operator input)"
     )
+
+
+def _shown(value: Any) -> str:
+    """A value of a file in a one-line message: long or multi-line text cut and quoted."""
+    text = _show(value)
+    if len(text) > 60 or not text.isprintable():
+        return repr(text[:60]) + ("..." if len(text) > 60 else "")
+    return text
 
 
 def _first_below(
@@ -636,42 +654,92 @@ def _find_keys(node: Any, names: tuple[str, ...], path: str) -> str | None:
     return None
 
 
-def _check_logging(file: str, key: str, node: Any) -> None:
-    """``logging.config.dictConfig`` calls ``()`` factories, imports ``class`` names and resolves
-    ``ext://`` objects: only the standard library's handlers and streams."""
-    if isinstance(node, dict):
-        for name, child in node.items():
-            where = f"{key}.{name}"
-            if name == "()":
-                raise _refuse(file, where, "names a factory for logging to call")
-            if name == "class" and not (isinstance(child, str) and child.startswith("logging.")):
-                raise _refuse(file, f"{where}={child}", "is not a handler or formatter of the logging module")
-            _check_logging(file, where, child)
-    elif isinstance(node, list):
-        for index, child in enumerate(node):
-            _check_logging(file, f"{key}[{index}]", child)
-    elif isinstance(node, str) and node.startswith("ext://") and node not in LOGGING_STREAMS:
-        raise _refuse(file, f"{key}={node}", f"imports code for logging (only {', '.join(LOGGING_STREAMS)})")
+def _first_leaf(node: Any, path: str) -> str | None:
+    """``path.to.leaf=value`` of the first value below ``node`` that is not a filled container."""
+
+    def leaf(value: Any, at: str, _: Any) -> str | None:
+        return None if isinstance(value, dict | list) and value else f"{at}={_shown(value)}"
+
+    return _first_below(node, path, leaf)
 
 
-# Resolvers a file may use inside Hydra's instantiated nodes: they return strings. A reference to
-# another node (``launcher: ${mine}``) or a resolver that builds a node (``oc.create``,
-# ``oc.decode``) could bring an unchecked object in from the app config.
-SAFE_RESOLVERS = ("oc.env", "now", "run_suffix", "launch_dir", "hydra")
-_INTERPOLATION = re.compile(r"\$\{\s*(?:([\w.]+)\s*:)?")
+def _logger_setting(node: Any, path: str) -> str | None:
+    """The first setting of logger config ``node`` other than a plain ``level``."""
+    if not isinstance(node, dict):
+        return f"{path}={_shown(node)}"
+    for name, child in node.items():
+        level = child is None or _is_int(child) or (isinstance(child, str) and child in LOGGING_LEVELS)
+        if not (name == "level" and level):
+            return _first_leaf(child, f"{path}.{name}")
+    return None
 
 
-def _unsafe_interpolation(node: Any, path: str) -> str | None:
-    """The first value below ``node`` that interpolates a node or an unlisted resolver."""
-
-    def unsafe(value: Any, at: str, _: Any) -> str | None:
-        if isinstance(value, str):
-            for match in _INTERPOLATION.finditer(value):
-                if match.group(1) not in SAFE_RESOLVERS:
-                    return f"{at}={value}"
+def _logging_setting(node: Any, path: str) -> str | None:
+    """The first setting of Hydra logging config ``node`` (at ``path``) a file may not make: all
+    but ``version: 1``, ``root.level`` and ``loggers.<name>.level`` (:data:`LOGGING_NODES`)."""
+    if node is None:
         return None
+    if not isinstance(node, dict):
+        return f"{path}={_shown(node)}"
+    for name, child in node.items():
+        at = f"{path}.{name}"
+        if name == "version" and child == 1:
+            continue
+        if name == "root":
+            found = _logger_setting(child, at)
+        elif name == "loggers" and isinstance(child, dict):
+            found = next((f for k, c in child.items() if (f := _logger_setting(c, f"{at}.{k}"))), None)
+        else:
+            found = _first_leaf(child, at)
+        if found:
+            return found
+    return None
 
-    return _first_below(node, path, unsafe)
+
+def _interpolations(value: str) -> list[str | None] | None:
+    """What interpolation string ``value`` reads, nested ones included, in order: a resolver's
+    name (as written: ``${${x}:y}`` gives ``${x}``), None for a node (``${a.b}``); None where
+    OmegaConf cannot parse it (it would fail there too)."""
+    from omegaconf.errors import GrammarParseError
+    from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser as Grammar
+    from omegaconf.grammar_parser import parse
+
+    try:
+        tree = parse(value)
+    except GrammarParseError:
+        return None
+    found: list[str | None] = []
+    pending: list[Any] = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, Grammar.InterpolationResolverContext):
+            found.append(node.resolverName().getText())
+        elif isinstance(node, Grammar.InterpolationNodeContext):
+            found.append(None)
+        pending.extend(reversed(getattr(node, "children", None) or ()))
+    return found
+
+
+def _interpolation_reading(node: Any, path: str, nodes: bool) -> tuple[str, str] | None:
+    """(``path.to.value=value``, what it reads) of the first string below ``node`` that calls a
+    resolver outside :data:`FILE_RESOLVERS` or (with ``nodes``) interpolates another node."""
+    found: list[tuple[str, str]] = []
+
+    def reads(value: Any, at: str, _: Any) -> str | None:
+        if not isinstance(value, str) or "${" not in value:
+            return None
+        names = _interpolations(value)
+        if names is None:
+            found.append((f"{at}={_shown(value)}", "is an interpolation OmegaConf cannot parse"))
+        for name in names or ():
+            if name is None and nodes:
+                found.append((f"{at}={_shown(value)}", "interpolates another node"))
+            elif name is not None and name not in FILE_RESOLVERS:
+                found.append((f"{at}={_shown(value)}", f"calls resolver {name}"))
+        return at if found else None
+
+    _first_below(node, path, reads)
+    return found[0] if found else None
 
 
 def _hydra_override_key(key: str) -> bool:
@@ -681,13 +749,27 @@ def _hydra_override_key(key: str) -> bool:
 
 def check_recipe_file(file: str, config: Any) -> None:
     """Refuse, in one line naming ``file``, what in a recipe file (as composed, at its package)
-    would make Hydra run code or change what a job imports: ``hydra.callbacks`` outside
-    :data:`ALLOWED_CALLBACKS`, ``hydra.job.env_set``, a launcher or sweeper ``_target_`` outside
+    would make Hydra run code or change what a job imports, or would copy the environment into
+    the run: an interpolation that calls a resolver outside :data:`FILE_RESOLVERS` (anywhere in
+    the file; ``${a.b}`` is fine), ``hydra.callbacks`` outside :data:`ALLOWED_CALLBACKS`,
+    ``hydra.job.env_set``, a launcher or sweeper ``_target_`` outside
     :data:`ALLOWED_LAUNCHERS`/:data:`ALLOWED_SWEEPERS` (or any object below them, or a launcher's
     setup commands), ``hydra.searchpath``, ``hydra.overrides`` and sweeper ``params`` that set
-    Hydra's own config (both become overrides of every job), and logging config that calls or
-    imports code."""
-    if not isinstance(config, DictConfig) or "hydra" not in config:
+    Hydra's own config (both become overrides of every job), and any logging config but a
+    logger's level (:data:`LOGGING_NODES`: a handler, a file, a format, a filter, a class)."""
+    if not isinstance(config, DictConfig):
+        return
+    found = _interpolation_reading(OmegaConf.to_container(config, resolve=False), "", nodes=False)
+    if found:
+        where, what = found
+        allowed = ", ".join(f"${{{name}:}}" for name in FILE_RESOLVERS)
+        raise _refuse(
+            file,
+            where.removeprefix("."),
+            f"{what} (a file may interpolate only other keys, ${{a.b}}, and {allowed})",
+            never="reads the environment or runs code",
+        )
+    if "hydra" not in config:
         return
     hydra = config._get_node("hydra")
     if not isinstance(hydra, DictConfig):  # hydra: ${...} or a plain value
@@ -695,10 +777,17 @@ def check_recipe_file(file: str, config: Any) -> None:
     node = OmegaConf.to_container(hydra, resolve=False)
     assert isinstance(node, dict)
     for name in INSTANTIATED_NODES:
-        found = _unsafe_interpolation(node.get(name), f"hydra.{name}")
+        found = _interpolation_reading(node.get(name), f"hydra.{name}", nodes=True)
         if found:
+            raise _refuse(file, found[0], f"{found[1]} into what Hydra instantiates")
+    for name in LOGGING_NODES:
+        setting = _logging_setting(node.get(name), f"hydra.{name}")
+        if setting:
             raise _refuse(
-                file, found, f"interpolates into what Hydra instantiates (only {', '.join(SAFE_RESOLVERS)})"
+                file,
+                setting,
+                "configures logging: a file may set only a logger's level (a handler writes or empties "
+                "any file, its format writes any text there, a class, factory or ext:// imports code)",
             )
     callbacks = node.get("callbacks")
     if callbacks:
@@ -717,17 +806,15 @@ def check_recipe_file(file: str, config: Any) -> None:
     if isinstance(overrides, dict) and any(overrides.get(k) for k in overrides):
         raise _refuse(file, "hydra.overrides", "becomes the overrides of every job")
     _check_plugin(file, "hydra.launcher", node.get("launcher"), ALLOWED_LAUNCHERS)
-    found = _find_keys(node.get("launcher"), LAUNCHER_CODE_KEYS, "hydra.launcher")
-    if found:
-        raise _refuse(file, found, "runs commands or sets the environment where a job runs")
+    found_key = _find_keys(node.get("launcher"), LAUNCHER_CODE_KEYS, "hydra.launcher")
+    if found_key:
+        raise _refuse(file, found_key, "runs commands or sets the environment where a job runs")
     sweeper = node.get("sweeper")
     _check_plugin(file, "hydra.sweeper", sweeper, ALLOWED_SWEEPERS)
     params = sweeper.get("params") if isinstance(sweeper, dict) else None
     for key in params or {}:
         if _hydra_override_key(str(key)):
             raise _refuse(file, f"hydra.sweeper.params.{key}", "sets Hydra's own config in every job")
-    for name in ("job_logging", "hydra_logging"):
-        _check_logging(file, f"hydra.{name}", node.get(name))
 
 
 def check_primary_searchpath(source: str, config_name: str | None, config: Any) -> None:

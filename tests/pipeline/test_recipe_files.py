@@ -242,7 +242,10 @@ def test_only_the_shipped_configs_are_trusted(tmp_path: Path) -> None:
         ({"job_logging": {"handlers": {"h": {"class": "mypkg.Handler"}}}}, "class=mypkg.Handler"),
         ({"job_logging": {"handlers": {"h": {"stream": "ext://mypkg.stream"}}}}, "ext://mypkg.stream"),
         ({"hydra_logging": {"filters": {"f": {"()": "mypkg.Filter"}}}}, "hydra.hydra_logging.filters.f.()"),
-        ({"launcher": {"_target_": "${oc.create:{}}"}}, "interpolates"),
+        (
+            {"launcher": {"_target_": "${oc.create:{}}"}},
+            "hydra.launcher._target_=${oc.create:{}} calls resolver",
+        ),
         ({"searchpath": ["pkg://elsewhere"]}, "hydra.searchpath"),
     ],
 )
@@ -268,9 +271,8 @@ def test_plain_hydra_settings_in_a_file_pass() -> None:
             "n_jobs": 2,
         },
         "sweeper": {"params": {"quant": "int8,fp8"}},
-        "job_logging": {
-            "handlers": {"file": {"class": "logging.FileHandler", "filename": "${oc.env:HOME}/x.log"}}
-        },
+        "job_logging": {"version": 1, "root": {"level": "DEBUG"}, "loggers": {"lm_eval": {"level": 10}}},
+        "hydra_logging": {"loggers": {"hydra": {"level": "WARNING"}}},
         "callbacks": {"status": {"_target_": "pipeline.nightly.SweepStatus"}},
     }
     check_recipe_file("/r/x.yaml", OmegaConf.create({"hydra": plain}))
