@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.errors import SourceError
+from pipeline.core.files import loads_bounded
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 
 SINGLE_FILE = "model.safetensors"
@@ -136,7 +137,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
     index = folder / INDEX_FILE
     try:
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = loads_bounded(index.read_text())["weight_map"]
             return {key: folder / name for key, name in weight_map.items()}
         single = folder / SINGLE_FILE
         if single.is_file():

@@ -93,7 +93,7 @@ from pipeline.core.distributed import (
     unwrapped,
 )
 from pipeline.core.errors import PassError
-from pipeline.core.files import read_regular_text, regular_size
+from pipeline.core.files import loads_bounded, read_regular_text, regular_size
 from pipeline.core.planned_model import PlannedModel
 from pipeline.core.staging import owned_folder, remove_abandoned, unique_name
 
@@ -683,7 +683,7 @@ class DistillPass(Pass):
         text = read_regular_text(
             path / STATE_FILE, follow_symlinks=False, what="a distill checkpoint's state"
         )
-        meta = json.loads(text, parse_constant=_no_constant)
+        meta = loads_bounded(text, parse_constant=_no_constant)
         check_state(
             meta, self.config, train_size, optimizer.state_dict()["param_groups"], schedule.state_dict()
         )

@@ -50,7 +50,6 @@ import enum
 import gc
 import hashlib
 import io as bytes_io
-import json
 import logging
 import shutil
 import warnings
@@ -68,6 +67,7 @@ from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
 from pipeline.core.engine import IOSpec, graph_io
 from pipeline.core.errors import PassError
+from pipeline.core.files import read_json
 from pipeline.core.planned_model import PlannedModel
 from pipeline.core.progress import phases
 from pipeline.core.torch_model import load_tokenizer
@@ -194,9 +194,9 @@ class ExportPass(Pass):
             with writing(out_dir / EXTRAS_DIR, f"the side data of the torch passes ({EXTRAS_DIR}/)"):
                 (out_dir / EXTRAS_DIR).mkdir()
                 link_tree(source.path / EXTRAS_DIR, out_dir / EXTRAS_DIR)
-        hf_config = json.loads((source.path / "config.json").read_text())
+        hf_config = read_json(source.path / "config.json", what="a config.json")
         gen_path = source.path / "generation_config.json"
-        generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        generation = read_json(gen_path, what="a generation config") if gen_path.is_file() else {}
         tokens = _token_ids(hf_config, generation, load_tokenizer(source.path))
         config = skeleton.config
         write_metadata(
@@ -306,7 +306,7 @@ class Checkpoint:
 
         index = folder / SAFETENSORS_INDEX
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            weight_map = read_json(index, what="a safetensors index").get("weight_map", {})
             self.files = {name: folder / file for name, file in weight_map.items()}
         elif (folder / SAFETENSORS_FILE).is_file():
             with safe_open(str(folder / SAFETENSORS_FILE), framework="pt") as handle:

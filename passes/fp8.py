@@ -67,6 +67,7 @@ from pipeline.core.config import check_int, check_number
 from pipeline.core.distributed import Group
 from pipeline.core.engine import graph_io
 from pipeline.core.errors import CalibrationError, PassError
+from pipeline.core.files import read_json
 from pipeline.core.graph_io import (
     check_data_files,
     check_model,
@@ -132,7 +133,7 @@ def activation_labels(graph: Any, linear_weights: dict[str, str]) -> dict[str, s
 
 
 def load_stats(folder: Path) -> dict[str, TensorStats]:
-    data = json.loads((folder / STATS_FILE).read_text())
+    data = read_json(folder / STATS_FILE, what="the FP8 activation statistics")
     return {name: TensorStats.from_dict(entry) for name, entry in data["tensors"].items()}
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import json
 import logging
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
@@ -54,6 +53,7 @@ from pipeline.core.artifacts import Artifact, Kind, write_metadata
 from pipeline.core.base import Pass
 from pipeline.core.distributed import Group
 from pipeline.core.errors import CalibrationError, ConfigError, PassError
+from pipeline.core.files import read_json
 from pipeline.core.planned_model import PlannedModel
 from pipeline.core.torch_model import LM_HEAD, linear_layers
 
@@ -339,7 +339,7 @@ class TorchInt4Pass(CalibratesInRanks, Pass):
         from safetensors import safe_open
 
         folder = result.path / EXTRAS_DIR / INT4_DIR
-        info = json.loads((folder / INFO_FILE).read_text()) if (folder / INFO_FILE).is_file() else {}
+        info = read_json(folder / INFO_FILE, what="INT4 parameters") if (folder / INFO_FILE).is_file() else {}
         missing = set(info.get("modules", []))
         worst = 0.0
         with safe_open(str(folder / PARAMS_FILE), "pt") if missing else contextlib.nullcontext() as stored:

@@ -34,7 +34,6 @@ so a bfloat16 ranking never rounds the output, which stays float32 safetensors.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import asdict, dataclass, field
@@ -49,6 +48,7 @@ from pipeline.core.artifacts import Artifact, Kind, write_metadata
 from pipeline.core.base import Pass
 from pipeline.core.config import MAX_BATCH, register_pass
 from pipeline.core.errors import PassError
+from pipeline.core.files import read_json
 from pipeline.core.planned_model import PlannedModel
 
 log = logging.getLogger(__name__)
@@ -378,7 +378,7 @@ class PrunePass(CalibratesOnWindows, Pass):
         from pipeline.core.torch_model import copy_beside_weights, load_tokenizer
 
         config = self.config
-        hf = json.loads((source.path / "config.json").read_text())
+        hf = read_json(source.path / "config.json", what="a config.json")
         shape = Shape.of(hf)
         target = target_shape(shape, config)
         # Module by module: the checkpoint's pages are not kept mapped beside the weights.

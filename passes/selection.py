@@ -11,12 +11,12 @@ its layers here, so a pattern means the same thing in every recipe.
 from __future__ import annotations
 
 import fnmatch
-import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
 
 from pipeline.core.errors import ConfigError
+from pipeline.core.files import read_json
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def fallback_modules(folder: Path) -> list[str]:
     path = Path(folder) / FALLBACK_FILE
     if not path.is_file():
         return []
-    return list(json.loads(path.read_text()).get("modules", []))
+    return list(read_json(path, what="the sensitivity fallback").get("modules", []))
 
 
 def select_modules(

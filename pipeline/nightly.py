@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.core.artifacts import write_json
 from pipeline.core.errors import one_line
+from pipeline.core.files import loads_bounded
 from pipeline.summary import make_console, sweep_table
 
 NIGHTLY_CHANNEL = "nightly"
@@ -98,7 +99,7 @@ def _run_record(job: Path) -> dict[str, Any] | None:
     from pipeline.manifest import MANIFEST_FILE  # (its imports are the job's, not the launcher's)
 
     try:
-        record = json.loads((job / MANIFEST_FILE).read_text())
+        record = loads_bounded((job / MANIFEST_FILE).read_text())
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None

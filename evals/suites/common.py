@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pipeline.core.errors import PipelineError
+from pipeline.core.files import loads_bounded
 
 # Bump when a generator changes what it produces; MANIFEST.json records the version it was
 # frozen with, and the loader refuses a mismatch.
@@ -111,7 +112,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = loads_bounded(line)
             except json.JSONDecodeError as error:
                 raise SuiteError(f"{path}:{number}: not valid JSON ({error.msg}); {WRITE_HINT}") from None
             if not isinstance(record, dict):

@@ -33,6 +33,7 @@ from evals.suites.common import (
     sha256_file,
     sha256_text,
 )
+from pipeline.core.files import loads_bounded
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 MANIFEST = "MANIFEST.json"
@@ -222,7 +223,7 @@ def check(data_dir: Path = DATA_DIR, seed: int = SEED) -> list[str]:
 def _manifest(data_dir: Path) -> dict[str, Any]:
     path = data_dir / MANIFEST
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = loads_bounded(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SuiteError(f"{_show(path)} is missing; {WRITE_HINT}") from None
     except json.JSONDecodeError as error:

@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.core.files import loads_bounded
+
 Call = dict[str, Any]
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
@@ -60,7 +62,7 @@ def _as_call(value: Any) -> Call | None:
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = loads_bounded(arguments) if arguments.strip() else {}
         except json.JSONDecodeError:
             return None
     if not isinstance(name, str) or not name or not isinstance(arguments, Mapping):

@@ -23,7 +23,6 @@ parameters is quantized there by round-to-nearest with the same formula.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import numpy as np
 
 from pipeline.core.artifacts import write_json
 from pipeline.core.errors import ConfigError, PassError
+from pipeline.core.files import read_json
 
 BITS = 4
 MAXQ = (1 << BITS) - 1
@@ -221,7 +221,7 @@ def load_params(folder: Path) -> tuple[dict[str, Any], dict[str, QuantizedLinear
     info_path = folder / INFO_FILE
     if not info_path.is_file():
         return {}, {}
-    info = json.loads(info_path.read_text())
+    info = read_json(info_path, what="the INT4 parameters")
     if info.get("format") != FORMAT_VERSION or info.get("bits") != BITS:
         raise PassError(f"{info_path}: unsupported INT4 parameter format {info.get('format')}; rebuild")
     tensors = load_file(str(folder / PARAMS_FILE))

@@ -32,7 +32,6 @@ re-saved without activation rounding, a temporary folder).
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 from collections.abc import Callable
@@ -55,6 +54,7 @@ from pipeline.core.artifacts import Artifact, Kind, read_metadata, write_metadat
 from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
 from pipeline.core.errors import PassError
+from pipeline.core.files import read_json
 from pipeline.core.graph_io import (
     MODEL_FILE,
     check_data_files,
@@ -263,7 +263,7 @@ class FusionPass(Pass):
         window = int(kv.get("window", 0))
         cache_dtype = kv.get("dtype", "fp32")
         facts = ModelFacts.from_config(
-            json.loads((source.path / "config.json").read_text()),
+            read_json(source.path / "config.json", what="a config.json"),
             window,
             window_cache=bool(kv.get("capacity")),
         )

@@ -20,6 +20,7 @@ from pipeline.core.errors import PipelineError
 from pipeline.core.files import (
     UnsafeFileError,
     describe_mode,
+    loads_bounded,
     open_regular,
     read_regular_text,
     sha256_regular,
@@ -142,7 +143,7 @@ def read_metadata(folder: Path) -> dict[str, Any]:
         return {}
     text = read_regular_text(path, what="an artifact record")
     try:
-        record = json.loads(text)
+        record = loads_bounded(text)
     except (json.JSONDecodeError, RecursionError) as exc:
         raise PipelineError(f"{path} is not valid JSON ({exc}): it is not an artifact record") from None
     metadata = record.get("metadata", {}) if isinstance(record, dict) else None

@@ -16,8 +16,12 @@ Entries are untrusted input (other jobs and people write to shared storage): :me
 opens regular files only, never through a symlink (our entries hold none), reads ``entry.json``
 bounded and checks the type of every field it uses, hashes the output, and checks that every
 external-data location of every ``.onnx`` in it (and ``artifact.json``'s ``model_file``) names a
-regular file inside that graph's folder. An entry failing any of that is evicted with one warning
-and recomputed; nothing in it can hang a run or make the pipeline read outside it.
+regular file inside that graph's folder. ``entry.json`` records what its key was computed from
+(:data:`KEY_FIELDS`): a hit recomputes the key from those fields and checks that it is the key the
+entry was found under and that they are the request's own (:func:`key_problem`), so an entry moved
+or copied under another key is not served. An entry failing any of that is evicted with one warning
+and recomputed; nothing in it can hang a run or make the pipeline read outside it. (What this
+cannot catch: a writer of the cache who records consistent fields over a wrong output.)
 """
 
 from __future__ import annotations
@@ -40,7 +44,13 @@ from typing import Any
 
 from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, digest_of, file_digests, write_json
 from pipeline.core.errors import PipelineError, StorageError
-from pipeline.core.files import UnsafeFileError, describe_mode, read_regular_text, regular_size
+from pipeline.core.files import (
+    UnsafeFileError,
+    describe_mode,
+    loads_bounded,
+    read_regular_text,
+    regular_size,
+)
 from pipeline.core.staging import (
     LOCK_SUFFIX,
     is_owned,
@@ -57,6 +67,7 @@ log = logging.getLogger(__name__)
 # Libraries whose version changes what a pass writes.
 KEY_LIBRARIES = ("torch", "transformers", "onnx", "onnxruntime", "onnxscript", "onnx-ir", "tensorrt")
 ENTRY_FILE = "entry.json"
+KEY_FIELDS = "key_fields"  # entry.json: what its key was computed from (key_fields())
 OUTPUT_DIR = "output"
 STAGING_DIR = ".staging"
 CHECKPOINTS_DIR = ".checkpoints"
@@ -95,15 +106,61 @@ def library_versions() -> dict[str, str]:
     return installed_versions(KEY_LIBRARIES)
 
 
-def cache_key(input_digest: str, pass_name: str, pass_version: int, config: dict[str, Any]) -> str:
-    payload = {
+def key_fields(
+    input_digest: str, pass_name: str, pass_version: int, config: dict[str, Any]
+) -> dict[str, Any]:
+    """What a cache key is computed from (``entry.json`` records it as :data:`KEY_FIELDS`)."""
+    return {
         "input": input_digest,
         "pass": pass_name,
         "version": pass_version,
         "config": config,
         "libraries": library_versions(),
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def key_of(fields: dict[str, Any]) -> str:
+    """The cache key of :func:`key_fields` (or of the fields an ``entry.json`` records)."""
+    return hashlib.sha256(_canonical(fields).encode()).hexdigest()
+
+
+def cache_key(input_digest: str, pass_name: str, pass_version: int, config: dict[str, Any]) -> str:
+    return key_of(key_fields(input_digest, pass_name, pass_version, config))
+
+
+_KEY_LABELS = {
+    "input": "input digest",
+    "pass": "pass name",
+    "version": "pass version",
+    "config": "config",
+    "libraries": "library versions",
+}
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def key_problem(record: dict[str, Any], key: str, expected: dict[str, Any]) -> str | None:
+    """What makes an entry's record (found under ``key``) not an entry of the request whose key
+    was computed from ``expected`` (:func:`key_fields`), or None: the fields the record says its
+    key was computed from must give ``key`` again, and be the request's own (input digest, pass,
+    version, keyed config, library versions); the input digest, pass and version it shows in the
+    run record must be those too. An entry found under another's key (a copy, a move, a planted
+    one) fails this, whatever its output digest says."""
+    recorded = record.get(KEY_FIELDS)
+    if not isinstance(recorded, dict):
+        return f"{ENTRY_FILE} does not record what its key was computed from ({KEY_FIELDS})"
+    for name, label in _KEY_LABELS.items():
+        if _canonical(recorded.get(name)) != _canonical(expected[name]):
+            return f"{ENTRY_FILE} records another {label} than this run's: it is not this entry"
+    if key_of(recorded) != key:
+        return f"{ENTRY_FILE}'s {KEY_FIELDS} give another key ({key_of(recorded)[:12]}): it is not this entry"
+    shown = {"input_digest": "input", "pass": "pass", "version": "version"}
+    for field_name, name in shown.items():
+        if field_name in record and record[field_name] != recorded[name]:
+            return f"{ENTRY_FILE}'s {field_name} is not the one its key was computed from"
+    return None
 
 
 @dataclass
@@ -176,20 +233,23 @@ class Cache:
         if os.path.lexists(folder) and not self._working_on(key, own):
             _remove_entry(folder)
 
-    def recorded_output(self, key: str) -> str | None:
+    def recorded_output(self, key: str, check: RecordCheck | None = None) -> str | None:
         """The output digest ``key``'s entry records, read without hashing its files (a
-        prediction of :meth:`lookup`, which verifies them): None when there is no readable entry."""
+        prediction of :meth:`lookup`, which verifies them): None when there is no readable entry
+        (or ``check`` finds a problem in its record, as :meth:`lookup` would)."""
         if not self.enabled or os.path.islink(self.root / key):
             return None
         record, problem = _checked_record(self.root / key / ENTRY_FILE)
-        if record is None or problem is not None:
+        if record is None or problem is not None or (check is not None and check(record) is not None):
             return None
         digest = record.get("output_digest")
         return digest if isinstance(digest, str) else None
 
-    def lookup(self, key: str, kind: Kind) -> CacheEntry | None:
+    def lookup(self, key: str, kind: Kind, check: RecordCheck | None = None) -> CacheEntry | None:
         """Return the verified entry for ``key``; an unreadable, malformed, unsafe or modified
-        entry is evicted with one warning and ignored (the caller recomputes it)."""
+        entry is evicted with one warning and ignored (the caller recomputes it). ``check(record)``
+        says what is wrong with a well-formed ``entry.json`` for this request (the pass manager:
+        :func:`key_problem`), or None; it runs before the output is hashed."""
         if not self.enabled:
             return None
         entry_dir = self.root / key
@@ -205,6 +265,8 @@ class Cache:
         if not stat.S_ISDIR(mode):
             return self._discard(key, judged, f"{entry_dir} is {describe_mode(mode)}, not a folder")
         record, problem = _checked_record(entry_dir / ENTRY_FILE)
+        if record is not None and problem is None and check is not None:
+            problem = check(record)
         if record is None or problem is not None:
             return self._discard(key, judged, problem)
         artifact, problem = verified_output(entry_dir / OUTPUT_DIR, kind, record["output_digest"])
@@ -314,6 +376,8 @@ class Cache:
                         raise
                 judged = _identity(final / ENTRY_FILE)
                 found, problem = (None, "") if os.path.islink(final) else _checked_record(final / ENTRY_FILE)
+                if found is not None and problem is None and isinstance(record.get(KEY_FIELDS), dict):
+                    problem = key_problem(found, key, record[KEY_FIELDS])  # another's entry moved here?
                 if found is not None and problem is None:  # verified like a hit: it is used as one
                     theirs, _ = verified_output(final / OUTPUT_DIR, kind, found["output_digest"])
                 if theirs is not None and found is not None:
@@ -388,7 +452,7 @@ def read_record(path: Path, max_bytes: int = RECORD_MAX_BYTES) -> tuple[dict[str
     """(the JSON object in ``path``, None) or (None, what is wrong with it). Only a regular file is
     read (a symlink, FIFO or device is a problem, never opened through), at most ``max_bytes``."""
     try:
-        record = json.loads(
+        record = loads_bounded(
             read_regular_text(path, max_bytes=max_bytes, follow_symlinks=False, what="a JSON record")
         )
     except FileNotFoundError:

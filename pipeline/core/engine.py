@@ -24,7 +24,14 @@ import numpy as np
 
 from pipeline.core.artifacts import read_metadata
 from pipeline.core.errors import EngineError, first_line
-from pipeline.core.files import UnsafeFileError, confined, read_regular, read_regular_text, regular_size
+from pipeline.core.files import (
+    UnsafeFileError,
+    confined,
+    loads_bounded,
+    read_regular,
+    read_regular_text,
+    regular_size,
+)
 
 ENGINE_FILE = "engine.json"
 KV_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "float8_e4m3fn": np.uint8}
@@ -532,7 +539,7 @@ def read_engine_spec(folder: Path | str, *, graphs: bool = True, _nested: bool =
         raise EngineError(f"{folder} is not an engine folder (no {ENGINE_FILE}): build one first")
     try:
         text = read_regular_text(path, max_bytes=MAX_ENGINE_JSON_BYTES, within=folder, what="an engine.json")
-        data = json.loads(text)
+        data = loads_bounded(text)
     except UnsafeFileError as exc:
         raise EngineError(f"{exc}") from None
     except (ValueError, RecursionError) as exc:

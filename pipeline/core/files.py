@@ -19,15 +19,26 @@ is and the fix; callers that own the folder (the cache) catch it and evict inste
 from __future__ import annotations
 
 import hashlib
+import itertools
+import json
 import os
+import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from pipeline.core.errors import PipelineError
 
 _CHUNK = 1 << 20
+# The deepest JSON nesting (arrays and objects) read from storage: every file this pipeline reads
+# (config.json, tokenizer.json, manifests, engine.json, entry.json, records) nests a few levels;
+# Python's parser recurses once per level and overflows its stack (RecursionError) near 1000.
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 class UnsafeFileError(PipelineError):
@@ -188,3 +199,66 @@ def walk_regular(
             path = Path(root) / name
             regular_size(path, follow_symlinks=follow_symlinks, what=what)
             yield path.relative_to(folder).as_posix(), path
+
+
+class JsonTooDeepError(json.JSONDecodeError):
+    """JSON nested deeper than allowed. A :class:`json.JSONDecodeError` (so a ``ValueError``): a
+    caller that turns invalid JSON into its own one-line error does so for this one too."""
+
+
+def json_too_deep(text: str, max_depth: int = MAX_JSON_DEPTH) -> int | None:
+    """The offset of the first ``[`` or ``{`` of ``text`` nested deeper than ``max_depth``, or None.
+    A scan without recursion: brackets inside JSON strings (escapes included) do not count. Up to
+    the first syntax error it reads ``text`` as :func:`json.loads` does, so whatever the parser
+    would reach nested deeper than ``max_depth`` is found (an unterminated string counts its
+    brackets: such text is no JSON anyway)."""
+    if text.count("[") + text.count("{") <= max_depth:  # the common case: nothing to scan
+        return None
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    if max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0) <= max_depth:
+        return None
+    depth = 0  # too deep: find where, for the message (stops at that bracket)
+    for match in _JSON_TOKEN.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            if depth > max_depth:
+                return match.start()
+        elif token in "]}":
+            depth -= 1
+    return None  # unreachable: the scans agree
+
+
+def loads_bounded(text: str | bytes | bytearray, max_depth: int = MAX_JSON_DEPTH, **kwargs: Any) -> Any:
+    """:func:`json.loads` of untrusted text (``kwargs`` passed on), refusing JSON nested deeper than
+    ``max_depth`` with :class:`JsonTooDeepError` before parsing, so that no crafted file can
+    overflow the parser's stack (a ``RecursionError`` traceback). Bytes are decoded as
+    :func:`json.loads` decodes them (a ``UnicodeDecodeError`` as there)."""
+    if isinstance(text, bytes | bytearray):
+        text = bytes(text).decode(json.detect_encoding(text), "surrogatepass")
+    where = json_too_deep(text, max_depth)
+    if where is not None:
+        raise JsonTooDeepError(f"nested deeper than {max_depth} levels", text, where)
+    return json.loads(text, **kwargs)
+
+
+def read_json(
+    path: Path,
+    *,
+    what: str,
+    max_bytes: int | None = 64 << 20,
+    max_depth: int = MAX_JSON_DEPTH,
+    follow_symlinks: bool = True,
+    within: Path | None = None,
+) -> Any:
+    """The JSON value of a regular file, read bounded (:func:`read_regular_text`) and parsed bounded
+    (:func:`loads_bounded`). Anything wrong (not a regular file, too large, not UTF-8, not JSON,
+    nested too deeply) is one :class:`UnsafeFileError` line naming ``path`` and ``what`` it was
+    read as; a missing or unreadable file is the ``OSError`` itself."""
+    text = read_regular_text(
+        path, max_bytes=max_bytes, follow_symlinks=follow_symlinks, within=within, what=what
+    )
+    try:
+        return loads_bounded(text, max_depth)
+    except json.JSONDecodeError as exc:
+        raise UnsafeFileError(f"{path} is not valid JSON ({exc}): it is not {what}") from None

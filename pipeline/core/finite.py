@@ -15,7 +15,6 @@ int8, uint8, ...) cannot hold a NaN and are skipped. Every file is opened throug
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from collections.abc import Callable, Iterator
@@ -25,7 +24,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from pipeline.core.files import UnsafeFileError, confined, open_regular, walk_regular
+from pipeline.core.files import UnsafeFileError, confined, loads_bounded, open_regular, walk_regular
 from pipeline.core.graph_io import proto_tensors
 
 _CHUNK_BYTES = 32 << 20  # bytes read (and checked) at a time
@@ -125,7 +124,7 @@ def _safetensors(path: Path, within: Path) -> Iterator[tuple[str, int]]:
         (header_size,) = struct.unpack("<Q", head)
         if header_size > min(_MAX_HEADER, size - 8):
             raise ValueError(f"its header claims {header_size} bytes")
-        header = json.loads(handle.read(header_size))
+        header = loads_bounded(handle.read(header_size))
         if not isinstance(header, dict):
             raise ValueError("its header is not a JSON object")
         start = 8 + header_size

@@ -17,7 +17,16 @@ from typing import Any
 
 from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.base import Pass, without_knobs
-from pipeline.core.cache import Cache, CacheEntry, cache_key
+from pipeline.core.cache import (
+    ENTRY_FILE,
+    KEY_FIELDS,
+    Cache,
+    CacheEntry,
+    RecordCheck,
+    key_fields,
+    key_of,
+    key_problem,
+)
 from pipeline.core.distributed import check_processes
 from pipeline.core.errors import ConfigError, PassError, PipelineError
 from pipeline.core.finite import first_nonfinite
@@ -107,14 +116,43 @@ def _check_calibration_processes(step: Pass) -> None:
     check_processes(knob, processes, step.placement.device_type)
 
 
-def _key(step: Pass, input_digest: str, config: dict[str, Any] | None = None) -> str:
-    """The cache key of ``step`` (its ``config_dict()``, when the caller has it) on an input of
-    ``input_digest``: the placement enters it only for a pass whose output depends on it, its
-    execution knobs (processes, launcher) never."""
+def _key_fields(step: Pass, input_digest: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the cache key of ``step`` (its ``config_dict()``, when the caller has it) on an input
+    of ``input_digest`` is computed from: the placement enters it only for a pass whose output
+    depends on it, its execution knobs (processes, launcher) never."""
     keyed = without_knobs(step.config_dict() if config is None else config, step.execution_knobs)
     if step.placement_knobs:
         keyed["_placement"] = step.placement.key(step.placement_knobs)
-    return cache_key(input_digest, step.name, step.version, keyed)
+    return key_fields(input_digest, step.name, step.version, keyed)
+
+
+def _key(step: Pass, input_digest: str, config: dict[str, Any] | None = None) -> str:
+    """The cache key of ``step`` on an input of ``input_digest`` (see :func:`_key_fields`)."""
+    return key_of(_key_fields(step, input_digest, config))
+
+
+def _entry_check(step: Pass, key: str, fields: dict[str, Any]) -> RecordCheck:
+    """What is wrong with an ``entry.json`` found under ``key`` for a request of ``fields``.
+
+    An entry written before entries recorded their key's fields (no ``key_fields``) is verified
+    as far as its record allows rather than evicted (recomputing every cached pass after an
+    upgrade costs hours for a large model): its input digest, pass name and version and its config
+    (keyed as :func:`_key_fields` keys it) must be this request's and give ``key`` again; only
+    the library versions, which it does not record, are taken from this run (the key it was found
+    under holds them). :meth:`PassManager._lookup` then records the fields, as ``Cache.amend``
+    records ``finite``, so it is checked in full from then on."""
+
+    def check(record: dict[str, Any]) -> str | None:
+        if KEY_FIELDS in record:
+            return key_problem(record, key, fields)
+        if not isinstance(record.get("pass"), str) or not isinstance(record.get("version"), int):
+            return f"{ENTRY_FILE} records neither {KEY_FIELDS} nor its pass and version: unverifiable"
+        legacy = key_fields(record["input_digest"], record["pass"], record["version"], {})
+        legacy["config"] = _key_fields(step, record["input_digest"], record["config"])["config"]
+        legacy["libraries"] = fields["libraries"]
+        return key_problem({**record, KEY_FIELDS: legacy}, key, fields)
+
+    return check
 
 
 def placement_of(step: Pass) -> dict[str, str]:
@@ -148,7 +186,9 @@ class PassManager:
         does not size a pass that will not run."""
         digest = source.digest
         for count, step in enumerate(self.passes):
-            recorded = self.cache.recorded_output(_key(step, digest))
+            fields = _key_fields(step, digest)
+            key = key_of(fields)
+            recorded = self.cache.recorded_output(key, _entry_check(step, key, fields))
             if recorded is None:
                 return count
             digest = recorded
@@ -157,23 +197,28 @@ class PassManager:
     def _run_one(self, index: int, step: Pass, source: Artifact) -> tuple[Artifact, PassRecord]:
         config = step.config_dict()
         placement = placement_of(step)
-        key = _key(step, source.digest, config)
-        entry = self._lookup(step, key)
+        fields = _key_fields(step, source.digest, config)
+        key = key_of(fields)
+        entry = self._lookup(step, key, fields)
         if entry is None:
             # Jobs sharing the cache (a sweep) compute a key once: the others wait, then reuse it.
             with self.cache.computing(key, f"pass '{step.name}' ({key[:12]})"):
-                entry = self._lookup(step, key)  # committed while we took the lock?
+                entry = self._lookup(step, key, fields)  # committed while we took the lock?
                 if entry is None:
-                    return self._compute(index, step, source, key, config, placement)
+                    return self._compute(index, step, source, key, config, placement, fields)
         log.info("pass %d/%d %s: cache hit (%s)", index, len(self.passes), step.name, key[:12])
         return entry.artifact, _record(step, entry, cache_hit=True)
 
-    def _lookup(self, step: Pass, key: str) -> CacheEntry | None:
-        """The verified entry of ``key``, or None. An entry committed before outputs were checked
-        for finite weights (no ``finite`` in its record) is checked now, and evicted (then
-        recomputed) if a weight is NaN or infinite: a diverged output cached by an earlier
+    def _lookup(self, step: Pass, key: str, fields: dict[str, Any]) -> CacheEntry | None:
+        """The verified entry of ``key`` (computed from ``fields``), or None. Its record must say
+        it was computed from ``fields`` (:func:`_entry_check`; one computed by an earlier version,
+        verified as far as it can be, gets them recorded now). An entry committed before outputs
+        were checked for finite weights (no ``finite`` in its record) is checked now, and evicted
+        (then recomputed) if a weight is NaN or infinite: a diverged output cached by an earlier
         version must not fail every later run."""
-        entry = self.cache.lookup(key, step.produces)
+        entry = self.cache.lookup(key, step.produces, _entry_check(step, key, fields))
+        if entry is not None and KEY_FIELDS not in entry.record:
+            entry = self.cache.amend(entry, {KEY_FIELDS: fields})  # verified once, as far as it can be
         if entry is None or entry.record.get("finite") is True:
             return entry
         try:
@@ -198,6 +243,7 @@ class PassManager:
         key: str,
         config: dict[str, Any],
         placement: dict[str, str],
+        fields: dict[str, Any],
     ) -> tuple[Artifact, PassRecord]:
         """Run ``step`` on ``source`` in a staging folder and commit its output under ``key``."""
         log.info("pass %d/%d %s: running (%s)", index, len(self.passes), step.name, key[:12])
@@ -228,6 +274,7 @@ class PassManager:
                     "resources": meter.resources,
                     "metrics": metrics,
                     "finite": True,  # every weight checked (check_finite)
+                    KEY_FIELDS: fields,  # what the key was computed from: checked on every hit
                 },
             )
         peak = meter.resources["peak_rss_bytes"]

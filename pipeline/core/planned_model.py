@@ -13,7 +13,6 @@ have run for an hour: the static counterpart of ``requires``, which checks the r
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from typing import Any
 
 from pipeline.core.artifacts import Artifact
 from pipeline.core.errors import SourceError
-from pipeline.core.files import UnsafeFileError, read_regular_text
+from pipeline.core.files import UnsafeFileError, loads_bounded, read_regular_text
 
 CONFIG_MAX_BYTES = 16 << 20  # a config.json is kilobytes; a bigger one is not a config
 
@@ -50,7 +49,7 @@ class PlannedModel:
         if not os.path.lexists(path):
             return None
         try:  # a FIFO, a device or a folder there is refused in one line (UnsafeFileError)
-            config = json.loads(read_regular_text(path, max_bytes=CONFIG_MAX_BYTES, what="a config.json"))
+            config = loads_bounded(read_regular_text(path, max_bytes=CONFIG_MAX_BYTES, what="a config.json"))
         except (OSError, ValueError):
             return None
         if not isinstance(config, dict):
@@ -151,7 +150,7 @@ def _teacher_config(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
     teacher = (metadata.get("prune") or {}).get("teacher") or {}
     try:
         path = Path(teacher["path"]) / "config.json"
-        config = json.loads(read_regular_text(path, max_bytes=CONFIG_MAX_BYTES, what="a config.json"))
+        config = loads_bounded(read_regular_text(path, max_bytes=CONFIG_MAX_BYTES, what="a config.json"))
     except (KeyError, TypeError, OSError, ValueError, UnsafeFileError):
         return None
     return config if isinstance(config, dict) else None

@@ -6,10 +6,11 @@ without importing each other.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pipeline.core.files import loads_bounded
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
 
@@ -90,7 +91,7 @@ def model_shapes(folder: Path) -> ModelShapes | None:
     """The shapes of the checkpoint in ``folder``; None without a readable Llama ``config.json``
     (a source the estimate cannot size: the preflight then only logs that it skipped)."""
     try:
-        config = json.loads((folder / "config.json").read_text())
+        config = loads_bounded((folder / "config.json").read_text())
         return ModelShapes.from_config(config)
     except (OSError, ValueError, KeyError, TypeError):
         return None

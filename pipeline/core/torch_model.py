@@ -10,7 +10,7 @@ from typing import Any
 
 from pipeline.core.artifacts import ARTIFACT_FILE
 from pipeline.core.errors import SourceError
-from pipeline.core.files import read_regular_text, regular_size, walk_regular
+from pipeline.core.files import loads_bounded, read_regular_text, regular_size, walk_regular
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 
 # Readers of a bad checkpoint file raise many types (OSError, ValueError, TypeError, KeyError,
@@ -103,13 +103,11 @@ def linear_layers(model: Any) -> dict[str, Any]:
 def meta_model(folder: Path) -> Any:
     """The model skeleton (no weights) of a checkpoint: module names and shapes, in milliseconds;
     the planned model's (its ``config.json`` read bounded, regular files only)."""
-    import json
-
     from pipeline.core.planned_model import CONFIG_MAX_BYTES, PlannedModel
 
     path = Path(folder) / "config.json"
     try:
-        config = json.loads(read_regular_text(path, max_bytes=CONFIG_MAX_BYTES, what="a config.json"))
+        config = loads_bounded(read_regular_text(path, max_bytes=CONFIG_MAX_BYTES, what="a config.json"))
     except (OSError, ValueError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _reason(exc)
         raise SourceError(f"cannot read {path} ({reason}): re-save or re-download the checkpoint") from None

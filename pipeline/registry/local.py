@@ -60,7 +60,7 @@ from filelock import FileLock, Timeout
 
 from pipeline.core.artifacts import sha256_file, write_json
 from pipeline.core.errors import PipelineError
-from pipeline.core.files import UnsafeFileError, read_regular_text
+from pipeline.core.files import UnsafeFileError, loads_bounded, read_regular_text
 from pipeline.core.staging import check_lock_path, owned_folder, remove_abandoned, unique_name
 from pipeline.registry.records import (
     ENGINE_DIR,
@@ -445,7 +445,7 @@ class LocalRegistry:
 
     def _stored_index(self) -> Any:
         try:
-            return json.loads(
+            return loads_bounded(
                 read_regular_text(self.root / "index.json", follow_symlinks=False, what="the index")
             )
         except (OSError, ValueError, RecursionError, PipelineError):

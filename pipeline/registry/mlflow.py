@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.artifacts import sha256_file, write_json
+from pipeline.core.files import loads_bounded
 from pipeline.registry.records import (
     ENGINE_DIR,
     MANIFEST_FILE,
@@ -245,7 +246,7 @@ class MlflowRegistry:
         record: a malformed one is a one-line error naming the version."""
         where = f"MLflow model version {version.name} {version.version}"
         try:
-            record = json.loads(version.tags[f"{TAG}.record"])
+            record = loads_bounded(version.tags[f"{TAG}.record"])
         except (KeyError, TypeError, ValueError) as exc:
             raise RegistryError(f"{where}: its {TAG}.record tag is missing or not JSON ({exc})") from None
         if not isinstance(record, dict):
@@ -352,7 +353,7 @@ class MlflowRegistry:
         registered = self._call("get model", self.client.get_registered_model, model_name(ref))
         where = f"MLflow model {registered.name}: tag {TAG}.history.{channel}"
         try:
-            history = json.loads(registered.tags.get(f"{TAG}.history.{channel}", "[]"))
+            history = loads_bounded(registered.tags.get(f"{TAG}.history.{channel}", "[]"))
         except ValueError as exc:
             raise RegistryError(f"{where} is not JSON ({exc})") from None
         return check_history(history, where)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from pipeline.core.artifacts import digest_of, sha256_file, write_json
 from pipeline.core.engine import read_engine_spec
 from pipeline.core.errors import PipelineError, first_line
-from pipeline.core.files import UnsafeFileError, open_regular, read_regular_text
+from pipeline.core.files import UnsafeFileError, loads_bounded, open_regular, read_regular_text
 from pipeline.core.staging import owned_folder, remove_abandoned, unique_name
 from pipeline.registry.refs import Ref, RegistryError, RegistryIOError, check_channel, check_name
 
@@ -245,7 +245,7 @@ def load_json(path: Path, what: str, follow_symlinks: bool = True) -> Any:
     """A JSON file (a regular file only, at most 64 MiB), or a one-line :class:`RegistryError`
     naming it."""
     try:
-        return json.loads(read_regular_text(path, follow_symlinks=follow_symlinks, what=what))
+        return loads_bounded(read_regular_text(path, follow_symlinks=follow_symlinks, what=what))
     except UnsafeFileError as exc:
         raise RegistryError(str(exc)) from None
     except RecursionError:

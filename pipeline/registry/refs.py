@@ -29,18 +29,29 @@ class RegistryIOError(RegistryError):
     exit_code = 1
 
 
+MAX_VERSION_DIGITS = 12  # a version number: a trillion versions; longer is no version
+
+
+def _shown(value: object) -> str:
+    """``value`` quoted (control characters escaped), cut short: an error stays one short line."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def check_name(what: str, value: str) -> str:
+    """``value`` if it is a registry name (:data:`NAME`: 1 to 128 of letters, digits, ``. _ + -``,
+    starting with a letter or digit, no ``..``); else a one-line RegistryError naming ``what``."""
     if not isinstance(value, str) or not NAME.fullmatch(value) or ".." in value:
         raise RegistryError(
-            f"{what} {value!r} is not a registry name: use letters, digits, '.', '_', '+' or '-' "
-            "(no path separators, no '..')"
+            f"{what} {_shown(value)} is not a registry name: use 1 to 128 letters, digits, '.', '_', "
+            "'+' or '-', starting with a letter or digit (no path separators, no '..')"
         )
     return value
 
 
 def check_channel(channel: str) -> str:
-    if channel not in CHANNELS:
-        raise RegistryError(f"unknown channel {channel!r}: use one of {', '.join(CHANNELS)}")
+    if not isinstance(channel, str) or channel not in CHANNELS:
+        raise RegistryError(f"unknown channel {_shown(channel)}: use one of {', '.join(CHANNELS)}")
     return channel
 
 
@@ -62,6 +73,11 @@ class Ref:
             check_channel(self.selector)
         elif isinstance(self.selector, int) and self.selector < 1:
             raise RegistryError(f"version {self.selector} does not exist: versions count from 1")
+        elif isinstance(self.selector, int) and self.selector >= 10**MAX_VERSION_DIGITS:
+            raise RegistryError(
+                f"version {_shown(self.selector)} does not exist: a version is a number of at most "
+                f"{MAX_VERSION_DIGITS} digits"
+            )
 
     @classmethod
     def parse(cls, text: str, target: str | None = None) -> Ref:
@@ -77,8 +93,15 @@ class Ref:
             raise RegistryError(f"{text!r} names target {parts[2]!r} but {target!r} was asked for")
         chosen = parts[2] if len(parts) == 3 else (target or DEFAULT_TARGET)
         which: int | str | None = None
-        if selector:
-            which = int(selector) if selector.isdigit() else selector
+        if selector.isascii() and selector.isdigit():  # int() takes other digits, '²' it refuses
+            if len(selector) > MAX_VERSION_DIGITS:
+                raise RegistryError(
+                    f"version {_shown(selector)} does not exist: a version is a number of at most "
+                    f"{MAX_VERSION_DIGITS} digits"
+                )
+            which = int(selector)
+        elif selector:
+            which = selector
         return cls(parts[0], parts[1], chosen, which)
 
     @property
