@@ -96,6 +96,8 @@ PAIRS: dict[str, tuple[str, str, str, str]] = {
 def build(name: str, overrides: list[str], out: Path) -> Path | None:
     """The run folder of one CLI build (None if it failed; the log says why)."""
     run_dir = out / name
+    # A rerun replaces its own earlier build: the CLI refuses a run folder that holds a record.
+    (run_dir / "manifest.json").unlink(missing_ok=True)
     command = pipeline_command("pipeline", *overrides, "bench=none", "eval=none", f"hydra.run.dir={run_dir}")
     print(f"build  {name}: {' '.join(overrides)}", flush=True)
     result = run_logged(command, out / f"{name}.build.log")

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hydra import version as hydra_version
+from hydra._internal import hydra as hydra_internal
 from hydra._internal import utils as hydra_utils
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.hydra_config import HydraConfig
@@ -184,6 +185,23 @@ def run(cfg: DictConfig, run_dir: Path, sweep_job: bool = False) -> tuple[int, s
     return 0, published or f"gate {result.manifest['gate']['verdict']}"
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse (one line, exit 2) a ``hydra.run.dir`` that already holds a run record
+    (``manifest.json``, whatever it is): the new run would replace that record and its engine.
+    Checked before Hydra writes anything there (its ``.hydra/`` and log), by
+    :func:`_hydra_errors_as_one_line`; a new, empty or unfinished run folder (no record) is used
+    as before, so a failed or interrupted run is rerun into its folder."""
+    from pipeline.manifest import MANIFEST_FILE
+
+    record = run_dir / MANIFEST_FILE
+    if os.path.lexists(record):
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} already holds a run (its record {record}), which a new run would "
+            f"overwrite with its engine; name a new folder (by default each run gets one), or remove "
+            f"{record} to rerun into it"
+        )
+
+
 def _signal_name(interrupt: KeyboardInterrupt) -> str:
     return str(interrupt) or "Ctrl-C"  # Terminated says "terminated by SIGTERM"
 
@@ -282,10 +300,17 @@ def _composition_error(exc: ConfigCompositionException) -> str:
 @contextlib.contextmanager
 def _hydra_errors_as_one_line() -> Iterator[None]:
     """Replace Hydra's error report: before the job runs, one line and exit 2 (1: OS error).
+    Refuse a ``hydra.run.dir`` holding a run record before Hydra writes there (:func:`check_run_dir`).
     Also keep the ``*_schema`` entries out of the options Hydra offers (``--help``, ``glob(*)``
     sweeps, shell completion): they are type schemas, not recipes."""
     original: Callable[[Any], Any] = hydra_utils.run_and_report
     options = ConfigLoaderImpl.get_group_options
+    run_job = hydra_internal.run_job  # what Hydra.run (a single run, not a multirun) calls
+
+    def checked_run_job(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("job_dir_key") == "hydra.run.dir":  # before Hydra makes or writes the folder
+            check_run_dir(Path(str(OmegaConf.select(kwargs["config"], "hydra.run.dir"))))
+        return run_job(*args, **kwargs)
 
     def group_options(self: ConfigLoaderImpl, group_name: str, *args: Any, **kwargs: Any) -> list[str]:
         found = options(self, group_name, *args, **kwargs)
@@ -303,12 +328,14 @@ def _hydra_errors_as_one_line() -> Iterator[None]:
 
     hydra_utils.run_and_report = run_and_report
     ConfigLoaderImpl.get_group_options = group_options  # type: ignore[method-assign]
+    hydra_internal.run_job = checked_run_job
     try:
         with _recipe_files_checked():
             yield
     finally:
         hydra_utils.run_and_report = original
         ConfigLoaderImpl.get_group_options = options  # type: ignore[method-assign]
+        hydra_internal.run_job = run_job
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ from pipeline.core.cache import library_versions, load_record, read_record, writ
 from pipeline.core.config import build_config
 from pipeline.core.engine import read_engine_spec
 from pipeline.core.errors import ConfigError, EngineError, PipelineError, describe_os_error, one_line
-from pipeline.core.files import loads_bounded
+from pipeline.core.files import check_output_file, loads_bounded
 from pipeline.core.signals import exit_code, interrupt_on_sigterm
 from pipeline.core.subprocesses import child_environment, isolated_python
 
@@ -443,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         _end_with_parent(args.parent_pid)
     interrupt_on_sigterm()
     try:
+        if args.json:  # before the benchmark: a FIFO, a link or a device there is never replaced
+            check_output_file(args.json, "the benchmark record, --json")
         config = load_config(args.config)
         for name, folder in (("engine", args.engine), ("--reference", args.reference)):
             if folder is not None and not os.path.lexists(folder / "engine.json"):
@@ -454,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         record = run_benchmark(args.engine, config, args.reference)
         text = json.dumps(record, indent=2)
         if args.json:
-            write_json(args.json, record)
+            write_json(check_output_file(args.json, "the benchmark record, --json"), record)
         else:
             print(text)
     except PipelineError as exc:

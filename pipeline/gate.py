@@ -28,7 +28,7 @@ from pipeline.core.artifacts import Artifact, Kind, digest_of, sha256_file, writ
 from pipeline.core.config import validate_tree
 from pipeline.core.engine import read_engine_spec
 from pipeline.core.errors import EngineError, PipelineError, describe_os_error, first_line
-from pipeline.core.files import loads_bounded, read_regular_text
+from pipeline.core.files import check_output_file, loads_bounded, read_regular_text
 from pipeline.core.signals import exit_code, interrupt_on_sigterm
 
 GATE_FAILED = 3  # distinct from a user mistake's 2
@@ -38,6 +38,7 @@ GATE_EXIT_CODES = {"PASS": 0, "FAIL": GATE_FAILED, "INCONCLUSIVE": GATE_INCONCLU
 SHORT_CALIBRATION = 8
 log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "eval"
+JSON_WHAT = "the gate record, --json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -312,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     # The gate's progress (a line as each suite starts and ends) on stderr, as the pipeline logs it.
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
+        if args.json:  # before the gate runs: a FIFO, a link or a device there is never replaced
+            check_output_file(args.json, JSON_WHAT)
         config = load_eval_config(args.eval, list(args.set))
         check_eval(config)
         baseline, _ = resolve_engine(args.baseline, "baseline")
@@ -337,7 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     make_console().print(gate_table(record))
     if args.json:
         try:
-            write_json(args.json, record)
+            write_json(check_output_file(args.json, JSON_WHAT), record)
+        except PipelineError as exc:  # made a FIFO, a link... while the gate ran
+            print(f"error: {exc}", file=sys.stderr)
+            return exc.exit_code
         except OSError as exc:
             exc.add_note("the gate record, --json")
             print(f"error: {describe_os_error(exc)}", file=sys.stderr)

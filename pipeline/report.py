@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import html
 import io
+import os
 import statistics
 import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.errors import PipelineError, describe_os_error, one_line
+from pipeline.core.files import check_output_file
 from pipeline.registry import DEFAULT_ROOT, Ref, Registry, RegistryError, open_registry
 
 DEFAULT_OUT = Path("artifacts/reports/nightly.html")
@@ -269,6 +274,26 @@ def render(recipes: list[Recipe], flags: list[str], root: Any) -> str:
     return "\n".join(parts)
 
 
+def write_report(out: Path, page: str) -> None:
+    """Write ``page`` to ``out`` (its folder made) through a temporary file beside it and an
+    atomic rename; ``out`` must be absent or a regular file (a symlink, a FIFO, a device or a
+    folder there is refused in one line, never replaced), and nothing planted at the temporary
+    name is followed or written through (``O_EXCL | O_NOFOLLOW``)."""
+    what = "the report, --out"
+    with contextlib.suppress(FileExistsError, NotADirectoryError):  # a file there: the check names it
+        out.parent.mkdir(parents=True, exist_ok=True)
+    check_output_file(out, what)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        with os.fdopen(os.open(tmp, flags, 0o666), "w", encoding="utf-8") as handle:
+            handle.write(page)
+        os.replace(tmp, check_output_file(out, what))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.report", description=__doc__.splitlines()[0])
     parser.add_argument("channel", choices=["nightly"], help="the report to write")
@@ -292,10 +317,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     limits = Limits(args.max_score_drop, args.max_top1_drop, args.max_slowdown)
     flags = [flag for recipe in recipes for flag in regressions(recipe, limits)]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    tmp.write_text(render(recipes, flags, store.root))
-    tmp.replace(args.out)
+    try:
+        write_report(args.out, render(recipes, flags, store.root))
+    except PipelineError as exc:
+        print(one_line(f"error: {exc}"), file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
+        return 1
     for flag in flags:
         print(f"regression: {flag}")
     print(f"wrote {args.out} ({len(recipes)} recipes, {len(flags)} regressions flagged)")

@@ -262,3 +262,72 @@ def read_json(
         return loads_bounded(text, max_depth)
     except json.JSONDecodeError as exc:
         raise UnsafeFileError(f"{path} is not valid JSON ({exc}): it is not {what}") from None
+
+
+def _what_is(path: Path, mode: int) -> str:
+    """``describe_mode``, with a symlink's target ("a symlink (to /dev/full)")."""
+    if stat.S_ISLNK(mode):
+        try:
+            return f"a symlink (to {os.readlink(path)})"
+        except OSError:
+            return "a symlink"
+    return describe_mode(mode)
+
+
+def check_output_file(path: Path, what: str) -> Path:
+    """Refuse (one :class:`UnsafeFileError` line naming ``path``, what it is, ``what`` it was
+    named for, and the fix) an output file a user names unless it is absent, in an existing
+    folder, or a regular file: a symlink (to anything: it is never replaced, nor its target
+    written), a FIFO, a device (``/dev/full``), a socket or a folder is never replaced by the
+    atomic rename that writes the file. Nothing is opened (``lstat`` only), so nothing blocks.
+    A caller checks before its work (a mistake costs nothing) and again just before writing."""
+    path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except NotADirectoryError:
+        raise UnsafeFileError(
+            f"{path}: a part of its folder is not a folder ({what}): name another path"
+        ) from None
+    if mode is None:
+        folder = path.parent
+        try:
+            folder_mode = os.stat(folder).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            raise UnsafeFileError(
+                f"{path}: its folder {folder} does not exist ({what}): make it or name another path"
+            ) from None
+        if not stat.S_ISDIR(folder_mode):
+            raise UnsafeFileError(
+                f"{path}: {folder} is {describe_mode(folder_mode)}, not a folder ({what}): name another path"
+            )
+        return path
+    if stat.S_ISREG(mode):
+        return path
+    raise UnsafeFileError(
+        f"{path} is {_what_is(path, mode)}, not a regular file ({what}): it is never replaced; "
+        "remove it or name another path"
+    )
+
+
+def check_output_folder(path: Path, what: str) -> Path:
+    """As :func:`check_output_file` for an output folder a user names: absent (its parents may be
+    missing: the caller makes them) or a real folder (the caller decides whether it may hold
+    anything) is accepted; a symlink (even to a folder: it is never replaced or written through),
+    a regular file, a FIFO, a device or a socket is refused in one line."""
+    path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
+    except NotADirectoryError:
+        raise UnsafeFileError(
+            f"{path}: a part of its path is not a folder ({what}): name another path"
+        ) from None
+    if stat.S_ISDIR(mode):
+        return path
+    raise UnsafeFileError(
+        f"{path} is {_what_is(path, mode)}, not a folder ({what}): it is never replaced; "
+        "remove it or name another path"
+    )

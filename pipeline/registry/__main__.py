@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.core.errors import PipelineError, one_line
+from pipeline.core.files import check_output_folder
 from pipeline.core.signals import exit_code, interrupt_on_sigterm
 from pipeline.registry import CHANNELS, DEFAULT_ROOT, Ref, open_registry
 from pipeline.registry.records import REUSED, Registry, describe
@@ -106,6 +107,9 @@ def _bench_line(bench: dict[str, Any]) -> str:
 
 
 def _pull(store: Registry, args: argparse.Namespace) -> int:
+    # A symlink (even to an empty folder), a file, a FIFO or a device at --to is refused in one
+    # line before anything is read; an existing real folder is the store's to judge (empty: used).
+    check_output_folder(args.to, "the pulled folder, --to")
     folder = store.pull(
         Ref.parse(args.ref, args.target),
         args.to,
