@@ -201,9 +201,10 @@ def walk_regular(
             yield path.relative_to(folder).as_posix(), path
 
 
-class JsonTooDeepError(json.JSONDecodeError):
+class JsonTooDeepError(json.JSONDecodeError, PipelineError):
     """JSON nested deeper than allowed. A :class:`json.JSONDecodeError` (so a ``ValueError``): a
-    caller that turns invalid JSON into its own one-line error does so for this one too."""
+    caller that turns invalid JSON into its own one-line error does so for this one too; and a
+    :class:`PipelineError` (bad input, exit code 2) where none does."""
 
 
 def json_too_deep(text: str, max_depth: int = MAX_JSON_DEPTH) -> int | None:
