@@ -53,6 +53,7 @@ from tqdm import tqdm
 
 from pipeline.core.errors import EngineError, first_line
 from pipeline.runtime import Engine, GenerationConfig
+from pipeline.runtime.chat_template import render_chat, template_file
 from pipeline.runtime.generate import PREFILL_CHUNK, common_prefix_length, prefill, prompt_step
 
 MODEL_NAME = "pipeline-engine"
@@ -218,9 +219,10 @@ class EngineLM(TemplateLM):
             raise EngineError(
                 f"{self.engine.folder}: its tokenizer has no chat template; drop --apply_chat_template"
             )
-        text = self.tokenizer.apply_chat_template(
+        text = render_chat(
+            self.tokenizer,
             chat_history,
-            tokenize=False,
+            where=template_file(self.engine.folder),
             add_generation_prompt=add_generation_prompt,
             continue_final_message=not add_generation_prompt,
         )
@@ -232,8 +234,11 @@ class EngineLM(TemplateLM):
         assistant turn when ``chat`` is on (unless lm-eval already rendered it), else as is."""
         if not self.chat or context in self._rendered:
             return context
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": context}], tokenize=False, add_generation_prompt=True
+        return render_chat(
+            self.tokenizer,
+            [{"role": "user", "content": context}],
+            where=template_file(self.engine.folder),
+            add_generation_prompt=True,
         )
 
     # ------------------------------------------------------------------ scoring

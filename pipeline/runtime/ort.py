@@ -31,6 +31,7 @@ from pipeline.core.errors import ConfigError, EngineError, first_line
 from pipeline.core.files import sha256_regular
 from pipeline.core.gpu import require_ort_provider
 from pipeline.core.graph_io import graph_ops
+from pipeline.runtime.chat_template import render_chat, template_file
 from pipeline.runtime.generate import GenerationConfig, GenerationResult, generate, select_logits
 from pipeline.runtime.serving import Completion, Request, ServingLimits, serve
 from pipeline.runtime.speculative import DraftStats, speculative_generate
@@ -492,10 +493,9 @@ class Engine:
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         tok = self.tokenizer
         if chat:  # the chat template already holds the special tokens the model expects
+            where = template_file(self.folder)
             texts = [
-                tok.apply_chat_template(
-                    [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
-                )
+                render_chat(tok, [{"role": "user", "content": t}], where=where, add_generation_prompt=True)
                 for t in texts
             ]
         encoded = [tok(t, add_special_tokens=not chat)["input_ids"] for t in texts]
