@@ -4,7 +4,8 @@ User mistakes (bad paths, digests, recipes, and Hydra's own: an unknown group, o
 value of the wrong type, bad override syntax, a ``*_schema`` entry chosen as an option, a number
 out of range) print one ``error:`` line naming the bad input and the fix, and exit with code 2,
 before any pass runs or the model is downloaded; an OS error (disk full, read-only folder,
-permission denied) prints ``error: cannot write <path>: <reason>`` and exits with code 1; a
+permission denied) prints ``error: cannot write <path>: <reason>`` and exits with code 1 (a path
+too long or through a symlink loop is the input's: ``error: bad path <path>: <reason>``, code 2); a
 FAIL of the eval gate exits with code 3 and an INCONCLUSIVE with code 4 (after the summary),
 and neither publishes anything; a PASS is published to the registry (``registry=local``, the
 default; ``pipeline/publish.py``); Ctrl-C exits with 130 and SIGTERM with 143
@@ -70,7 +71,14 @@ from pipeline.config import (
     trusted_source,
     validate_config,
 )
-from pipeline.core.errors import ConfigError, PipelineError, describe_os_error, first_line, one_line
+from pipeline.core.errors import (
+    ConfigError,
+    PipelineError,
+    describe_os_error,
+    first_line,
+    one_line,
+    os_error_exit_code,
+)
 from pipeline.core.plugins import discover_passes
 from pipeline.core.signals import Terminated, exit_code, interrupt_on_sigterm
 
@@ -153,7 +161,7 @@ def run(cfg: DictConfig, run_dir: Path, sweep_job: bool = False) -> tuple[int, s
         return fail(getattr(exc, "exit_code", USER_ERROR), f"error: {exc}")
     except OSError as exc:
         log.debug("OS error", exc_info=True)
-        return fail(OS_ERROR, f"error: {describe_os_error(exc)}")
+        return fail(os_error_exit_code(exc), f"error: {describe_os_error(exc)}")
     except KeyboardInterrupt as exc:
         kept = "nothing half-written was kept; rerun to resume from the cache"
         return fail(exit_code(exc), f"interrupted ({_signal_name(exc)}): {kept}")
@@ -241,7 +249,7 @@ def describe_startup_error(exc: BaseException) -> tuple[int, str]:
                 f"choose another {setting}"
             )
     if isinstance(exc, OSError):
-        return OS_ERROR, f"error: {describe_os_error(exc)}"
+        return os_error_exit_code(exc), f"error: {describe_os_error(exc)}"
     if isinstance(exc, OverrideParseException):
         reason = first_line(exc.message or exc)
         return USER_ERROR, one_line(

