@@ -665,6 +665,17 @@ LOGGING_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARN", "WARNING", "INFO", "DEBU
 FILE_RESOLVERS = ("now", "run_suffix", "launch_dir")
 
 
+# Where Hydra writes a run's files: from a file, relative to the launch folder, or under
+# ${launch_dir:} (configs/pipeline.yaml's sweep folder); an interpolation of another key is that
+# key's value, checked where it is set.
+OUTPUT_LOCATIONS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.output_subdir")
+
+
+def _leaves_launch_dir(value: str) -> bool:
+    rest = value.removeprefix("${launch_dir:}").lstrip("/") if value.startswith("${launch_dir:}") else value
+    return rest.startswith(("/", "~")) or ".." in rest.replace("\\", "/").split("/")
+
+
 def trusted_source(source: str) -> bool:
     """Whether Hydra config source ``source`` (``file:///...``, ``pkg://...``, ``structured://``)
     ships with the code: the recipes under ``configs/``, Hydra's and its plugins' packaged
@@ -906,6 +917,24 @@ def check_recipe_file(file: str, config: Any) -> None:
     job = node.get("job")
     if isinstance(job, dict) and job.get("env_set"):
         raise _refuse(file, "hydra.job.env_set", "sets the environment of the job and what it imports")
+    if isinstance(job, dict) and job.get("env_copy"):
+        raise _refuse(
+            file,
+            "hydra.job.env_copy",
+            "copies the environment into jobs elsewhere",
+            never="reads the environment",
+        )
+    for key in OUTPUT_LOCATIONS:
+        value: Any = node
+        for part in key.split(".")[1:]:
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, str) and _leaves_launch_dir(value):
+            raise _refuse(
+                file,
+                f"{key}={_shown(value)}",
+                "is absolute or climbs out with '..'",
+                never="writes outside the folder it is run from (a relative path, or ${launch_dir:}/...)",
+            )
     if node.get("searchpath"):
         raise _refuse(file, "hydra.searchpath", "adds config folders (give them with --config-dir)")
     overrides = node.get("overrides")

@@ -83,6 +83,21 @@ def test_env_set_in_a_file_is_refused(recipes: tuple[Path, Path, Path]) -> None:
     assert not marker.exists()
 
 
+def test_a_run_folder_outside_the_launch_folder_from_a_file_is_refused(
+    recipes: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """Hydra would make the victim folder and write its .hydra/ and log there before the job."""
+    work, folder, _ = recipes
+    victim = tmp_path / "victim"
+    file = write(folder, "quant/away.yaml", f"# @package _global_\nhydra:\n  run:\n    dir: {victim}/run\n")
+    result = cli(work, "--config-dir", str(folder), "quant=away", STOP)
+    line = assert_one_error_line(result, 2, str(file))
+    assert "hydra.run.dir='/tmp/" in line and "is absolute" in line and "never writes outside" in line, line
+    assert not victim.exists()
+    result = cli(work, "--config-dir", str(folder), f"hydra.run.dir={victim}/run", STOP)  # trusted
+    assert result.returncode == 2 and (victim / "run" / ".hydra").is_dir(), result.stderr[-500:]
+
+
 def test_env_set_through_a_hydra_group_file_is_refused(recipes: tuple[Path, Path, Path]) -> None:
     work, folder, _ = recipes
     file = write(
@@ -247,6 +262,12 @@ def test_only_the_shipped_configs_are_trusted(tmp_path: Path) -> None:
             "hydra.launcher._target_=${oc.create:{}} calls resolver",
         ),
         ({"searchpath": ["pkg://elsewhere"]}, "hydra.searchpath"),
+        ({"job": {"env_copy": ["AWS_SECRET_ACCESS_KEY"]}}, "hydra.job.env_copy copies the environment"),
+        ({"run": {"dir": "/etc/cron.d"}}, "hydra.run.dir=/etc/cron.d is absolute"),
+        ({"run": {"dir": "~/.ssh"}}, "hydra.run.dir=~/.ssh is absolute"),
+        ({"sweep": {"dir": "${launch_dir:}/../../x"}}, "hydra.sweep.dir=${launch_dir:}/../../x"),
+        ({"sweep": {"subdir": "a/../../../b"}}, "hydra.sweep.subdir=a/../../../b"),
+        ({"output_subdir": "../../.config"}, "hydra.output_subdir=../../.config"),
     ],
 )
 def test_each_way_a_file_could_run_code_is_named(hydra: dict, key: str) -> None:
@@ -265,6 +286,8 @@ def test_plain_hydra_settings_in_a_file_pass() -> None:
 
     plain = {
         "run": {"dir": "runs/${now:%H}"},
+        "sweep": {"dir": "${launch_dir:}/artifacts/multirun/${now:%H}", "subdir": "${hydra.job.num}"},
+        "output_subdir": ".hydra",
         "job": {"chdir": False, "name": "nightly"},
         "launcher": {
             "_target_": "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher",
