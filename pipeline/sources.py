@@ -59,6 +59,7 @@ from pipeline.core.files import (
 from pipeline.core.planned_model import PlannedModel, PlannedTensor
 from pipeline.core.staging import key_lock, owned_folder, remove_abandoned, unique_name
 from pipeline.core.subprocesses import child_environment
+from pipeline.source_config import check_config, check_generation_config
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +71,6 @@ SOURCE_FILE = "source.json"
 REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code")
 # JSON files of a checkpoint that transformers reads for those keys.
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
-# config.json keys that shape the model: positive integers where present.
-SHAPE_KEYS = (
-    "head_dim",
-    "max_position_embeddings",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "vocab_size",
-)
 JSON_KINDS = {
     list: "array",
     str: "string",
@@ -94,7 +84,6 @@ OTHER_JSON_FILES = ("generation_config.json", "special_tokens_map.json", "added_
 JSON_MAX_BYTES = 16 << 20  # config, tokenizer config, index: kilobytes; a bigger one is not such a file
 TOKENIZER_MAX_BYTES = 256 << 20  # tokenizer.json: megabytes for a large vocabulary
 HEADER_MAX_BYTES = 100_000_000  # the safetensors library's own limit on a header
-MAX_LAYERS = 1024  # the skeleton the header check builds takes ~2.5 ms a layer
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtypes -> bits per element; weights of a Llama are floating-point.
@@ -323,9 +312,10 @@ def check_hf_llama(folder: Path, where: str | None = None) -> dict[str, Any]:
     """Validate a HF Llama checkpoint folder; return its shape. Raises SourceError.
 
     Every check reads only what it bounds: ``stat`` of every file first (regular files only), the
-    JSON files (bounded), and of each safetensors file its header alone, checked against the
-    tensors a model of ``config.json`` stores (names, shapes, floating dtypes) before anything is
-    hashed or loaded. ``where`` names the source in messages (default: the folder)."""
+    JSON files (bounded), every ``config.json`` field a pass or the engine reads within its bounds
+    (``pipeline/source_config.py``), and of each safetensors file its header alone, checked against
+    the tensors a model of ``config.json`` stores (names, shapes, floating dtypes) before anything
+    is hashed or loaded. ``where`` names the source in messages (default: the folder)."""
     where = where or str(folder)
     config_path = folder / "config.json"
     if folder.is_dir() and not os.path.lexists(config_path):  # before walking a folder that is no checkpoint
@@ -347,20 +337,7 @@ def check_hf_llama(folder: Path, where: str | None = None) -> dict[str, Any]:
             f"{config_path} declares architecture {found}: only Llama (LlamaForCausalLM) checkpoints "
             "are supported"
         )
-    for key in SHAPE_KEYS:
-        value = config.get(key)
-        if key not in config or (value is None and key in ("num_key_value_heads", "head_dim")):  # derived
-            continue
-        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-            raise SourceError(
-                f"{config_path} has {key}={value!r}, not a positive integer: re-save the checkpoint"
-            )
-    layers = config.get("num_hidden_layers")
-    if isinstance(layers, int) and layers > MAX_LAYERS:  # each layer is modules to build, even on meta
-        raise SourceError(
-            f"{config_path} has num_hidden_layers={layers}, more than the {MAX_LAYERS} a Llama has "
-            "(405B: 126): re-save the checkpoint"
-        )
+    check_config(config, str(config_path))  # every field a pass or the engine reads, bounded
     if "quantization_config" in config:
         raise SourceError(
             f"{config_path} has quantization_config: a pre-quantized checkpoint is not a source; "
@@ -368,7 +345,9 @@ def check_hf_llama(folder: Path, where: str | None = None) -> dict[str, Any]:
         )
     for name in OTHER_JSON_FILES:
         if present(folder, name, files):
-            read_json_object(folder / name)
+            data = read_json_object(folder / name)
+            if name == "generation_config.json":  # the export reads its eos_token_id first
+                check_generation_config(data, config, str(folder / name))
     loaded, weight_map = weight_files(folder, files)
     headers = {name: read_safetensors_header(folder / name) for name in loaded}
     check_tensors_against_config(folder, config, headers, weight_map)

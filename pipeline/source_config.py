@@ -1,0 +1,401 @@
+"""Bounds on the ``config.json`` fields a pass or the engine reads, checked when a source is resolved.
+
+A checkpoint's ``config.json`` is untrusted input: transformers checks the types of some fields and
+only warns about others (a ``bos_token_id`` outside the vocabulary, a RoPE ``factor`` below 1), and
+the engine's own bounds (``pipeline/core/engine.py``: ``max_length`` and ``io.vocab_size`` up to
+2^24, token ids inside the vocabulary, at most 4096 heads of at most 4096 values) are checked only
+once an export wrote ``engine.json``, hours in. So every field that the passes, transformers'
+Llama (which the torch passes and the export run) or the engine read is bounded here, declared once
+as data (:data:`BOUNDS`: model_type -> the fields' rules and the relations between fields), and
+checked at start-up by :func:`pipeline.sources.check_hf_llama`: each refusal is one line naming the
+field in ``config.json`` and the fix. The ranges fit real checkpoints generously (Llama 3.1 405B:
+hidden 16384, MLP 53248, 126 layers, 128 heads, 131072 positions, vocabulary 128256; SmolLM2;
+Llama 3.2 1B). A field that is absent keeps transformers' default; a new model family (issue 51)
+is one more entry of :data:`BOUNDS`, reusing the rules below.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.core.errors import SourceError
+
+ENGINE_MAX = 1 << 24  # engine.json's max_length and io.vocab_size bound (pipeline/core/engine.py)
+ENGINE_MAX_HEADS = 4096  # engine.json's io.num_kv_heads and io.head_dim bound
+MAX_LAYERS = 1024  # the skeleton the header check builds takes ~2.5 ms a layer
+MAX_EOS_TOKENS = 1024  # engine.json's tokens.eos_token_ids bound
+MAX_ROPE_FACTORS = ENGINE_MAX_HEADS // 2  # longrope's short_factor/long_factor: head_dim / 2 each
+FIX = "re-save the checkpoint"
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
+DTYPES = ("float32", "float16", "bfloat16", "float64", "float", "half", "double")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past a float's range
+        return False
+
+
+def shown(value: Any) -> str:
+    """A config value as a message shows it: its ``repr`` (escapes keep it one line), shortened."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclass(frozen=True)
+class Integer:
+    """An integer from ``low`` to ``high``; ``most`` says what ``high`` is (the message's words)."""
+
+    low: int = 1
+    high: int = ENGINE_MAX
+    most: str = ""
+    nullable: bool = False
+
+    def problem(self, value: Any, config: Mapping[str, Any]) -> str | None:
+        if not _is_int(value) or value < self.low:
+            if self.low == 1:
+                return "not a positive integer"
+            return f"not an integer from {self.low} to {self.high}"
+        if value > self.high:
+            return f"more than the {self.high} {self.most}".rstrip()
+        return None
+
+
+@dataclass(frozen=True)
+class Number:
+    """A finite number (JSON int or float) above ``low`` (or at it, with ``closed_low``) and below
+    ``high`` (or at it, with ``closed_high``); None: unbounded on that side."""
+
+    low: float | None = None
+    high: float | None = None
+    closed_low: bool = False
+    closed_high: bool = False
+    nullable: bool = False
+
+    def problem(self, value: Any, config: Mapping[str, Any]) -> str | None:
+        if _is_finite(value):
+            low_ok = self.low is None or value > self.low or (self.closed_low and value == self.low)
+            high_ok = self.high is None or value < self.high or (self.closed_high and value == self.high)
+            if low_ok and high_ok:
+                return None
+        if self.closed_low and self.closed_high:
+            return f"not a finite number from {self.low:g} to {self.high:g}"
+        parts = []
+        if self.low is not None:
+            parts.append(f"at least {self.low:g}" if self.closed_low else f"more than {self.low:g}")
+        if self.high is not None:
+            parts.append(f"at most {self.high:g}" if self.closed_high else f"less than {self.high:g}")
+        bound = " and ".join(parts)
+        return "not a finite number" + (" of " if bound.startswith("at") else " " if bound else "") + bound
+
+
+@dataclass(frozen=True)
+class Flag:
+    """``true`` or ``false``."""
+
+    nullable: bool = False
+
+    def problem(self, value: Any, config: Mapping[str, Any]) -> str | None:
+        return None if isinstance(value, bool) else "not true or false"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of ``names`` (after removing ``prefix``); ``names`` may be a function (the names an
+    installed library knows), ``hint`` the choice the message suggests."""
+
+    names: tuple[str, ...] | Callable[[], tuple[str, ...]]
+    what: str
+    prefix: str = ""
+    hint: str = ""
+    nullable: bool = False
+
+    def problem(self, value: Any, config: Mapping[str, Any]) -> str | None:
+        names = self.names() if callable(self.names) else self.names
+        if isinstance(value, str) and value.removeprefix(self.prefix) in names:
+            return None
+        return f"not {self.what} ({self.hint or ', '.join(names)})"
+
+
+@dataclass(frozen=True)
+class TokenId:
+    """A token id below the config's ``vocab_size`` (the engine's bound), or null; with ``many``
+    also a list of at most :data:`MAX_EOS_TOKENS` of them."""
+
+    many: bool = False
+    nullable: bool = True
+
+    def problem(self, value: Any, config: Mapping[str, Any]) -> str | None:
+        vocab = vocabulary(config)
+        ids = value if self.many and isinstance(value, list) else [value]
+        if len(ids) <= MAX_EOS_TOKENS and all(_is_int(i) and 0 <= i < vocab for i in ids):
+            return None
+        if self.many:
+            return f"not a token id or a list of token ids below vocab_size {vocab}"
+        return f"not a token id below vocab_size {vocab}"
+
+
+@dataclass(frozen=True)
+class NumberList:
+    """A list of at most ``most`` finite numbers more than 0."""
+
+    most: int = MAX_ROPE_FACTORS
+    nullable: bool = True
+
+    def problem(self, value: Any, config: Mapping[str, Any]) -> str | None:
+        if (
+            isinstance(value, list)
+            and len(value) <= self.most
+            and all(_is_finite(v) and v > 0 for v in value)
+        ):
+            return None
+        return f"not a list of at most {self.most} finite numbers more than 0"
+
+
+@dataclass(frozen=True)
+class LayerTypes:
+    """One of ``names`` per layer (``num_hidden_layers`` of them): what prune slices by layer."""
+
+    names: tuple[str, ...]
+    nullable: bool = True
+
+    def problem(self, value: Any, config: Mapping[str, Any]) -> str | None:
+        layers = config.get("num_hidden_layers")
+        if isinstance(value, list) and len(value) == layers and all(v in self.names for v in value):
+            return None
+        return f"not a list of {layers} layer types (one a layer: {', '.join(self.names)})"
+
+
+@dataclass(frozen=True)
+class Table:
+    """A JSON object (or null) whose keys have rules of their own (unknown keys are left to
+    transformers, which ignores them with a warning)."""
+
+    fields: Mapping[str, Rule]
+    nullable: bool = True
+
+    def problem(self, value: Any, config: Mapping[str, Any]) -> str | None:
+        return None if isinstance(value, dict) else "not a JSON object"
+
+
+Rule = Integer | Number | Flag | Choice | TokenId | NumberList | LayerTypes | Table
+
+
+# A bound between fields: the message after ``<path> has`` when it does not hold, else None. It reads
+# the fields already checked one by one, an absent one at its family's default.
+Relation = Callable[[Mapping[str, Any]], "str | None"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a model family's ``config.json`` may hold: each field's rule (checked in order: a rule
+    may read a field before it, as token ids read ``vocab_size``), then the relations between
+    fields. ``defaults``: what transformers gives the absent fields that rules and relations read."""
+
+    fields: Mapping[str, Rule]
+    relations: tuple[Relation, ...]
+    defaults: Mapping[str, Any]
+
+
+def vocabulary(config: Mapping[str, Any]) -> int:
+    """The vocabulary size token ids must stay below."""
+    vocab = config.get("vocab_size")
+    return vocab if _is_int(vocab) else 0
+
+
+def _activations() -> tuple[str, ...]:
+    """The activations the installed transformers knows (``hidden_act``)."""
+    from transformers.activations import ACT2CLS
+
+    return tuple(sorted(ACT2CLS))
+
+
+def _head_dim(config: Mapping[str, Any]) -> int:
+    """``head_dim``, or what transformers derives: ``hidden_size // num_attention_heads``."""
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def _ropes(config: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """The RoPE tables of ``config`` (``rope_scaling``, ``rope_parameters``), by key."""
+    return [(key, config[key]) for key in ROPE_KEYS if isinstance(config.get(key), dict)]
+
+
+def heads_divide_hidden(config: Mapping[str, Any]) -> str | None:
+    """transformers' LlamaConfig refuses it, an explicit ``head_dim`` or not."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if hidden % heads:
+        return f"hidden_size={hidden}, not a multiple of the number of attention heads ({heads})"
+    return None
+
+
+def head_dim_fits(config: Mapping[str, Any]) -> str | None:
+    if config.get("head_dim") is None and _head_dim(config) > ENGINE_MAX_HEADS:
+        return (
+            f"hidden_size={config['hidden_size']} / num_attention_heads={config['num_attention_heads']}: "
+            f"heads of {_head_dim(config)} values, more than the {ENGINE_MAX_HEADS} an engine holds"
+        )
+    return None
+
+
+def kv_heads_divide_heads(config: Mapping[str, Any]) -> str | None:
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
+    if kv_heads is not None and heads % kv_heads:
+        return (
+            f"num_attention_heads={heads}, not a multiple of num_key_value_heads={kv_heads} (each KV "
+            "head serves a whole group of query heads)"
+        )
+    return None
+
+
+def llama3_frequencies(config: Mapping[str, Any]) -> str | None:
+    """llama3 RoPE divides by ``high_freq_factor - low_freq_factor``: the high one must be more."""
+    for key, rope in _ropes(config):
+        high, low = rope.get("high_freq_factor"), rope.get("low_freq_factor")
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind == "llama3" and _is_finite(high) and _is_finite(low) and not high > low:
+            return (
+                f"{key}.high_freq_factor={shown(high)}, not more than {key}.low_freq_factor={shown(low)} "
+                "(llama3 RoPE divides by their difference)"
+            )
+    return None
+
+
+def longrope_factors(config: Mapping[str, Any]) -> str | None:
+    """longrope's ``short_factor`` and ``long_factor``: one value a rotated pair of a head."""
+    for key, rope in _ropes(config):
+        factor = rope.get("partial_rotary_factor") or 1.0
+        pairs = int(_head_dim(config) * factor) // 2
+        for name in ("short_factor", "long_factor"):
+            if rope.get(name) and len(rope[name]) != pairs:
+                return (
+                    f"{key}.{name} of {len(rope[name])} values, not head_dim * partial_rotary_factor / 2 "
+                    f"= {pairs} (one a rotated pair)"
+                )
+    return None
+
+
+# RoPE (transformers' modeling_rope_utils.RopeParameters): in ``rope_parameters`` (transformers 5),
+# or ``rope_scaling`` beside a top-level ``rope_theta`` (older checkpoints: Llama 3.x, SmolLM2).
+ROPE = Table(
+    {
+        "rope_type": Choice(ROPE_TYPES, "a RoPE type transformers knows"),
+        "type": Choice(ROPE_TYPES, "a RoPE type transformers knows"),
+        "rope_theta": Number(low=0, nullable=True),
+        "factor": Number(low=1, closed_low=True, nullable=True),
+        "original_max_position_embeddings": Integer(most="positions an engine holds (2^24)", nullable=True),
+        "low_freq_factor": Number(low=0, nullable=True),
+        "high_freq_factor": Number(low=0, nullable=True),
+        "attention_factor": Number(low=0, closed_low=True, nullable=True),
+        "beta_fast": Number(low=0, nullable=True),
+        "beta_slow": Number(low=0, nullable=True),
+        "mscale": Number(nullable=True),
+        "mscale_all_dim": Number(nullable=True),
+        "truncate": Flag(nullable=True),
+        "partial_rotary_factor": Number(low=0, high=1, closed_high=True, nullable=True),
+        "short_factor": NumberList(),
+        "long_factor": NumberList(),
+    }
+)
+ROPE_KEYS = ("rope_scaling", "rope_parameters")
+
+LLAMA = Family(
+    fields={
+        "vocab_size": Integer(most="tokens an engine's vocabulary holds (2^24; Llama 3: 128256)"),
+        "hidden_size": Integer(high=1 << 18, most="a Llama's hidden size stays under (405B: 16384)"),
+        "intermediate_size": Integer(high=1 << 20, most="a Llama's MLP width stays under (405B: 53248)"),
+        "num_hidden_layers": Integer(high=MAX_LAYERS, most="a Llama has (405B: 126)"),
+        "num_attention_heads": Integer(high=ENGINE_MAX_HEADS, most="heads an engine holds (405B: 128)"),
+        "num_key_value_heads": Integer(
+            high=ENGINE_MAX_HEADS, most="KV heads an engine holds (405B: 8)", nullable=True
+        ),
+        "head_dim": Integer(high=ENGINE_MAX_HEADS, most="values a head holds in an engine", nullable=True),
+        "max_position_embeddings": Integer(
+            most="positions an engine holds (its max_length bound, 2^24; Llama 3.1: 131072)"
+        ),
+        "bos_token_id": TokenId(),
+        "eos_token_id": TokenId(many=True),
+        "pad_token_id": TokenId(),
+        "rms_norm_eps": Number(low=0, high=1),
+        "rope_theta": Number(low=0),
+        "rope_scaling": ROPE,
+        "rope_parameters": ROPE,
+        "hidden_act": Choice(_activations, "an activation transformers knows", hint="Llama's: silu"),
+        "tie_word_embeddings": Flag(),
+        "attention_bias": Flag(),
+        "mlp_bias": Flag(),
+        "use_cache": Flag(),
+        "attention_dropout": Number(low=0, high=1, closed_low=True, closed_high=True, nullable=True),
+        "initializer_range": Number(low=0, high=1, closed_low=True, closed_high=True),
+        "torch_dtype": Choice(DTYPES, "a floating-point dtype", prefix="torch.", nullable=True),
+        "dtype": Choice(DTYPES, "a floating-point dtype", prefix="torch.", nullable=True),
+        "layer_types": LayerTypes(("full_attention", "sliding_attention")),
+    },
+    relations=(
+        heads_divide_hidden,
+        head_dim_fits,
+        kv_heads_divide_heads,
+        llama3_frequencies,
+        longrope_factors,
+    ),
+    # LlamaConfig's defaults of the fields the rules and relations read
+    defaults={"vocab_size": 32000, "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32},
+)
+
+# model_type -> what its config.json may hold. Only Llama is a supported source today.
+BOUNDS: dict[str, Family] = {"llama": LLAMA}
+
+# generation_config.json: the export reads its eos_token_id before config.json's (passes/export.py).
+GENERATION_FIELDS: Mapping[str, Rule] = {
+    "bos_token_id": TokenId(),
+    "eos_token_id": TokenId(many=True),
+    "pad_token_id": TokenId(),
+}
+
+
+def _check_fields(
+    data: Mapping[str, Any],
+    fields: Mapping[str, Rule],
+    config: Mapping[str, Any],
+    where: str,
+    prefix: str = "",
+) -> None:
+    for key, rule in fields.items():
+        if key not in data or (data[key] is None and rule.nullable):
+            continue
+        value = data[key]
+        if problem := rule.problem(value, config):
+            raise SourceError(f"{where} has {prefix}{key}={shown(value)}, {problem}: {FIX}")
+        if isinstance(rule, Table):
+            _check_fields(value, rule.fields, config, where, f"{prefix}{key}.")
+
+
+def check_config(config: Mapping[str, Any], where: str) -> None:
+    """Refuse, in one line naming ``where`` (the ``config.json``) and the field, a value of
+    ``config`` outside its family's bounds (:data:`BOUNDS`; a model_type without an entry is
+    refused elsewhere, by its architecture)."""
+    family = BOUNDS.get(str(config.get("model_type")))
+    if family is None:
+        return
+    settled = {**family.defaults, **config}
+    _check_fields(config, family.fields, settled, where)
+    for relation in family.relations:
+        if problem := relation(settled):
+            raise SourceError(f"{where} has {problem}: {FIX}")
+
+
+def check_generation_config(generation: Mapping[str, Any], config: Mapping[str, Any], where: str) -> None:
+    """Refuse, in one line naming ``where``, a ``generation_config.json`` token id outside the
+    vocabulary of ``config`` (checked first, by :func:`check_config`)."""
+    family = BOUNDS.get(str(config.get("model_type")))
+    settled = {**family.defaults, **config} if family else config
+    _check_fields(generation, GENERATION_FIELDS, settled, where)
