@@ -28,6 +28,7 @@ from pipeline.core.files import (
     UnsafeFileError,
     confined,
     loads_bounded,
+    read_json,
     read_regular,
     read_regular_text,
     regular_size,
@@ -115,6 +116,12 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+# The tokenizer files whose token ids are checked against the graph's vocabulary
+# (:func:`check_tokenizer_ids`), each read bounded: tokenizer.json and vocab.json hold the whole
+# vocabulary (megabytes for a large one), the others a few kilobytes.
+TOKENIZER_JSON_MAX_BYTES = 256 << 20
+TOKENIZER_CONFIG_MAX_BYTES = 16 << 20
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 MAX_ENGINE_JSON_BYTES = 4 << 20
 MAX_GRAPH_BYTES = 2 << 30  # protobuf's limit: larger weights are external data
 SPECULATIVE_K_MAX = 64
@@ -357,10 +364,12 @@ def confined_file(folder: Path, name: Any, where: str, what: str, base: Path | N
     return path
 
 
-def check_graph_file(path: Path, folder: Path, where: str) -> None:
+def check_graph_file(path: Path, folder: Path, where: str, vocab_size: int | None = None) -> None:
     """Open the ONNX graph at ``path`` (its protobuf, without the weights) and confine every
     external-data location it names to ``folder``: a regular file there, long enough for the
-    offset and length each tensor records. One line for a graph that cannot be parsed."""
+    offset and length each tensor records. With ``vocab_size`` (``io.vocab_size``), the
+    vocabulary the graph declares (:func:`graph_vocab_sizes`) must be that. One line for a graph
+    that cannot be parsed or disagrees."""
     import onnx
 
     try:
@@ -395,6 +404,75 @@ def check_graph_file(path: Path, folder: Path, where: str) -> None:
                 f"{where}: {what}: bytes {offset}..{offset + length} lie past the end of {location} "
                 f"({sizes[str(location)]} bytes): the engine folder is truncated, rebuild it"
             )
+    if vocab_size is not None:
+        for what, size in graph_vocab_sizes(proto.graph):
+            if size != vocab_size:
+                raise EngineError(
+                    f"{where}: {path} has a vocabulary of {size} tokens ({what}), but io.vocab_size is "
+                    f"{vocab_size}: the graph is not this engine's; rebuild the engine"
+                )
+
+
+# Ops a token-id tensor or an embedding table passes through unchanged in its first dimension
+# (a cast of the ids to int32, an fp16 table cast up, a QDQ table dequantized).
+_PASS_THROUGH = {"Cast", "Identity", "DequantizeLinear"}
+# Embedding lookups by the token ids: op type -> (attribute naming the gathered axis, its default).
+_GATHERS = {"Gather": ("axis", 0), "GatherBlockQuantized": ("gather_axis", 0)}
+
+
+def graph_vocab_sizes(graph: Any) -> list[tuple[str, int]]:
+    """The vocabulary sizes a decoder graph declares statically, each with where it is read:
+    the last dimension of its ``logits`` output ([batch, tokens, vocab]: another rank is no
+    decoder's), and the gathered dimension of each embedding table ``input_ids`` index (a
+    ``Gather`` or ``GatherBlockQuantized`` of an initializer or constant, through casts and
+    dequantization). A size not fixed in the protobuf is left out."""
+    found: list[tuple[str, int]] = []
+    for output in graph.output:
+        if output.name == "logits" and output.type.HasField("tensor_type"):
+            dims = output.type.tensor_type.shape.dim
+            if len(dims) == 3 and dims[-1].HasField("dim_value") and dims[-1].dim_value > 0:
+                found.append(("the last dimension of its logits output", int(dims[-1].dim_value)))
+    tables: dict[str, list[int]] = {t.name: list(t.dims) for t in graph.initializer}
+    producers: dict[str, Any] = {}
+    for node in graph.node:
+        for name in node.output:
+            producers[name] = node
+        if node.op_type == "Constant" and node.output:
+            for attr in node.attribute:
+                if attr.name == "value" and attr.HasField("t"):
+                    tables[node.output[0]] = list(attr.t.dims)
+    ids = {"input_ids"}
+    for node in graph.node:  # topological order: a cast of the ids comes before its consumers
+        if node.op_type in _PASS_THROUGH and node.input and node.input[0] in ids:
+            ids.update(node.output)
+        gather = _GATHERS.get(node.op_type)
+        if gather is None or len(node.input) < 2 or node.input[1] not in ids:
+            continue
+        table = _table_dims(node.input[0], tables, producers)
+        attr = next((a for a in node.attribute if a.name == gather[0]), None)
+        axis = int(attr.i) if attr is not None else gather[1]
+        if not table or not -len(table) <= axis < len(table):
+            continue
+        axis %= len(table)
+        # a 4-bit table packed two to a byte halves its quantized (last) axis, never the gathered one
+        if node.op_type == "GatherBlockQuantized" and axis == len(table) - 1:
+            continue
+        if table[axis] > 0:
+            found.append((f"the embedding table {node.input[0]!r} {node.op_type} indexes", table[axis]))
+    return found
+
+
+def _table_dims(name: str, tables: dict[str, list[int]], producers: dict[str, Any]) -> list[int] | None:
+    """The static shape of the tensor ``name``: an initializer or constant, followed back through
+    :data:`_PASS_THROUGH` ops a few steps; None when it is computed."""
+    for _ in range(4):
+        if name in tables:
+            return tables[name]
+        node = producers.get(name)
+        if node is None or node.op_type not in _PASS_THROUGH or not node.input:
+            return None
+        name = node.input[0]
+    return None
 
 
 def _external_tensors(graph: Any, external: int) -> Iterator[Any]:
@@ -411,6 +489,133 @@ def _external_tensors(graph: Any, external: int) -> Iterator[Any]:
             for sub in attr.graphs:
                 yield from _external_tensors(sub, external)
     yield from (t for t in tensors if t.data_location == external)
+
+
+# --------------------------------------------------------------------------------------------
+# the tokenizer's token ids, read from its files (no transformers) against the graph's vocabulary
+
+
+@dataclass
+class _Worst:
+    """The largest token id past the vocabulary found so far, and where."""
+
+    vocab_size: int
+    id: int = -1
+    token: str | None = None
+    path: Path | None = None
+
+
+def check_tokenizer_ids(folder: Path, vocab_size: int) -> None:
+    """Refuse, in one line, an engine folder whose tokenizer gives a token an id the graph has no
+    row for (``io.vocab_size``: ONNX Runtime's ``Gather`` would fail at the first generation) or
+    an id that is not a non-negative integer. The ids are read from the files themselves, bounded,
+    without transformers: ``tokenizer.json`` (``model.vocab``: token -> id, or Unigram's list of
+    [piece, score] whose index is the id; ``added_tokens[].id``), ``tokenizer_config.json``
+    (``added_tokens_decoder``'s keys), ``added_tokens.json`` and ``vocab.json``; the special tokens
+    ``tokenizer_config.json`` and ``special_tokens_map.json`` name are named in the message. A
+    tokenizer smaller than the vocabulary is normal (a padded embedding table); a binary
+    ``tokenizer.model`` (SentencePiece) is not read."""
+    roles: dict[str, str] = {}
+    worst = _Worst(vocab_size)
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        data = _tokenizer_file(folder, name, TOKENIZER_CONFIG_MAX_BYTES)
+        for key in SPECIAL_TOKEN_KEYS if data is not None else ():
+            value = data.get(key)
+            content = value.get("content") if isinstance(value, dict) else value
+            if isinstance(content, str):
+                roles.setdefault(content, f"{key} in {name}")
+        if name == "tokenizer_config.json" and data is not None:
+            _added_tokens_decoder(folder / name, data.get("added_tokens_decoder"), worst)
+    for name in ("added_tokens.json", "vocab.json"):
+        data = _tokenizer_file(folder, name, TOKENIZER_JSON_MAX_BYTES)
+        for token, value in (data or {}).items():
+            _note(folder / name, "", token, value, worst)
+    data = _tokenizer_file(folder, "tokenizer.json", TOKENIZER_JSON_MAX_BYTES)
+    if data is not None:
+        _tokenizer_json(folder / "tokenizer.json", data, worst)
+    if worst.path is not None:
+        role = roles.get(worst.token) if worst.token is not None else None
+        shown = f" ({_shown_token(worst.token)}{f', the {role}' if role else ''})" if worst.token else ""
+        raise EngineError(
+            f"{worst.path}: token id {worst.id}{shown} is past the graph's vocabulary of {vocab_size} "
+            f"(io.vocab_size in {ENGINE_FILE}): the tokenizer is not this engine's; rebuild the engine"
+        )
+
+
+def _tokenizer_file(folder: Path, name: str, max_bytes: int) -> dict[str, Any] | None:
+    """The JSON object of the tokenizer file ``name`` in ``folder`` (read bounded), None if absent."""
+    path = folder / name
+    if not os.path.lexists(path):
+        return None
+    try:
+        data = read_json(path, what=f"a {name}", max_bytes=max_bytes, within=folder)
+    except UnsafeFileError as exc:
+        raise EngineError(f"{exc}: rebuild the engine") from None
+    except OSError as exc:
+        raise EngineError(f"{path} is unreadable ({exc.strerror or exc})") from None
+    if not isinstance(data, dict):
+        raise EngineError(f"{path} is {_kind(data)}, not a JSON object: rebuild the engine")
+    return data
+
+
+def _shown_token(token: Any) -> str:
+    text = repr(token) if isinstance(token, str) else _shown(token)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _note(path: Path, field: str, token: Any, value: Any, worst: _Worst) -> None:
+    """Check the id ``value`` ``path`` gives ``token`` (at ``field``), keeping the worst."""
+    if type(value) is not int or value < 0:
+        where = f" {field}" if field else ""
+        raise EngineError(
+            f"{path}:{where} token {_shown_token(token)} has the id {_shown(value)}, not a non-negative "
+            "integer: the tokenizer is broken; rebuild the engine"
+        )
+    if value >= worst.vocab_size and value > worst.id:
+        worst.id, worst.path = value, path
+        worst.token = token if isinstance(token, str) else None
+
+
+def _added_tokens_decoder(path: Path, decoder: Any, worst: _Worst) -> None:
+    if decoder is None:
+        return
+    if not isinstance(decoder, dict):
+        raise EngineError(
+            f"{path}: added_tokens_decoder is {_kind(decoder)}, not an object of token ids: "
+            "rebuild the engine"
+        )
+    for key, entry in decoder.items():
+        token = entry.get("content") if isinstance(entry, dict) else None
+        value: Any = int(key) if key.isascii() and key.isdigit() and len(key) <= 18 else key
+        _note(path, "added_tokens_decoder", token, value, worst)
+
+
+def _tokenizer_json(path: Path, data: dict[str, Any], worst: _Worst) -> None:
+    model = data.get("model")
+    if model is not None and not isinstance(model, dict):
+        raise EngineError(f"{path}: model is {_kind(model)}, not an object: rebuild the engine")
+    vocab = (model or {}).get("vocab")
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
+        for token, value in vocab.items():
+            _note(path, "model.vocab", token, value, worst)
+    elif isinstance(vocab, list):  # Unigram: [piece, score], the id is the index
+        if vocab:
+            last = vocab[-1]
+            piece = last[0] if isinstance(last, list) and last and isinstance(last[0], str) else None
+            _note(path, "model.vocab", piece, len(vocab) - 1, worst)
+    elif vocab is not None:
+        raise EngineError(f"{path}: model.vocab is {_kind(vocab)}, not a vocabulary: rebuild the engine")
+    added = data.get("added_tokens")
+    if added is None:
+        return
+    if not isinstance(added, list):
+        raise EngineError(f"{path}: added_tokens is {_kind(added)}, not a list: rebuild the engine")
+    for entry in added:
+        if not isinstance(entry, dict):
+            raise EngineError(
+                f"{path}: an entry of added_tokens is {_kind(entry)}, not an object: rebuild the engine"
+            )
+        _note(path, "added_tokens", entry.get("content"), entry.get("id"), worst)
 
 
 def _providers(spec: _Fields, target: str) -> tuple[tuple[str, ...], tuple[dict[str, Any], ...] | None]:
@@ -584,7 +789,9 @@ def read_engine_spec(folder: Path | str, *, graphs: bool = True, _nested: bool =
     if graphs and target != "tensorrt":
         for graph in (model_path, prefill_path):
             if graph is not None:
-                check_graph_file(graph, folder, where)
+                check_graph_file(graph, folder, where, io.vocab_size)
+    if graphs:
+        check_tokenizer_ids(folder, io.vocab_size)
     engine = EngineSpec(
         folder=folder,
         target=target,
