@@ -13,7 +13,6 @@ combined engine is made and when it is loaded); both ``engine.json`` are read th
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 import time
@@ -24,7 +23,7 @@ from omegaconf import DictConfig, open_dict
 from pipeline.config import SpeculativeConfig, section
 from pipeline.core.artifacts import Artifact, Kind, link_tree
 from pipeline.core.base import Pass
-from pipeline.core.cache import Cache, library_versions
+from pipeline.core.cache import KEY_FIELDS, Cache, key_fields, key_of, key_problem
 from pipeline.core.engine import ENGINE_FILE, read_engine_spec
 from pipeline.core.errors import ConfigError
 from pipeline.core.manager import PassManager, PassRecord
@@ -77,16 +76,11 @@ def build_draft(
 
 def attach_draft(cache: Cache, target: Artifact, draft: Artifact, k: int) -> tuple[Artifact, bool]:
     """The target engine with ``draft`` inside it (cached); returns (engine, cache hit)."""
-    payload = {
-        "step": "attach_draft",
-        "version": ATTACH_VERSION,
-        "target": target.digest,
-        "draft": draft.digest,
-        "k": k,
-        "libraries": library_versions(),
-    }
-    key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-    found = cache.lookup(key, Kind.ENGINE)
+    # Keyed and checked as a pass's entry is (pipeline/core/cache.py): entry.json records what its
+    # key was computed from, and an entry found under this key must recompute to it.
+    fields = key_fields(target.digest, "attach_draft", ATTACH_VERSION, {"k": k, "draft": draft.digest})
+    key = key_of(fields)
+    found = cache.lookup(key, Kind.ENGINE, lambda record: key_problem(record, key, fields))
     if found is not None:
         return found.artifact, True
     target_spec, draft_spec = read_engine_spec(target.path), read_engine_spec(draft.path)
@@ -112,6 +106,7 @@ def attach_draft(cache: Cache, target: Artifact, draft: Artifact, k: int) -> tup
             "seconds": round(time.perf_counter() - start, 3),
             "metrics": {},
             "finite": True,  # links to two entries the manager checked (check_finite); no new weight
+            KEY_FIELDS: fields,
         }
         entry = cache.commit(key, staging, Kind.ENGINE, record)
     return entry.artifact, False

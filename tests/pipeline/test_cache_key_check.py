@@ -211,3 +211,29 @@ def test_fields_that_do_not_give_the_key_they_were_found_under() -> None:
     assert "pass version" in str(
         key_problem({**record, KEY_FIELDS: {**fields, "version": 2}}, "0" * 64, fields)
     )
+
+
+def test_the_engine_with_its_draft_is_checked_against_its_key(
+    tiny_engine: Artifact, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``speculative=draft``'s combined engine is a cache entry too (pipeline/speculative.py
+    ``attach_draft``): the entry made with one draft, moved under the key of another, is
+    evicted with one warning and made again, not served."""
+    from pipeline.speculative import attach_draft
+
+    other = tmp_path / "other-draft"
+    shutil.copytree(tiny_engine.path, other)
+    spec = json.loads((other / "engine.json").read_text())
+    (other / "engine.json").write_text(json.dumps({**spec, "session": {"intra_op_num_threads": 1}}))
+    drafts = {"tiny": tiny_engine, "other": Artifact.from_dir(Kind.ENGINE, other)}
+    cache_dir = tmp_path / "cache"
+    made = {name: attach_draft(Cache(cache_dir), tiny_engine, draft, 3) for name, draft in drafts.items()}
+    keys = {name: engine.path.parent.name for name, (engine, _) in made.items()}
+    assert len(set(keys.values())) == 2 and not any(hit for _, hit in made.values())
+    assert _entry(cache_dir, keys["tiny"])[KEY_FIELDS]["config"] == {"k": 3, "draft": tiny_engine.digest}
+    assert attach_draft(Cache(cache_dir), tiny_engine, drafts["other"], 3)[1] is True  # a true hit
+    _moved(cache_dir, keys["other"], keys["tiny"])
+    with caplog.at_level(logging.WARNING):
+        engine, hit = attach_draft(Cache(cache_dir), tiny_engine, drafts["other"], 3)
+    assert not hit and engine.digest == made["other"][0].digest != made["tiny"][0].digest
+    one_eviction(caplog, keys["other"][:12], "entry.json", "another config")
