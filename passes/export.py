@@ -51,7 +51,6 @@ import gc
 import hashlib
 import io as bytes_io
 import logging
-import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,7 +66,7 @@ from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
 from pipeline.core.engine import IOSpec, graph_io
 from pipeline.core.errors import PassError
-from pipeline.core.files import read_json
+from pipeline.core.files import copy_regular, link_root, read_json
 from pipeline.core.planned_model import PlannedModel
 from pipeline.core.progress import phases
 from pipeline.core.torch_model import load_tokenizer
@@ -188,7 +187,12 @@ class ExportPass(Pass):
         for name in CARRIED_FILES:
             if (source.path / name).is_file():
                 with writing(out_dir / name, f"{name}, carried with the graph from {source.path}"):
-                    shutil.copy2(source.path / name, out_dir / name)
+                    copy_regular(
+                        source.path / name,
+                        out_dir / name,
+                        within=link_root(source.path),
+                        what="a tokenizer file",
+                    )
         if (source.path / EXTRAS_DIR).is_dir():  # side data of torch-stage passes for graph passes
             # hard links, not a copy: AWQ's and GPTQ's extras/int4 are 0.18x the fp32 weights
             with writing(out_dir / EXTRAS_DIR, f"the side data of the torch passes ({EXTRAS_DIR}/)"):

@@ -50,6 +50,7 @@ from pipeline.core.errors import SourceError, first_line
 from pipeline.core.files import (
     UnsafeFileError,
     describe_mode,
+    link_root,
     loads_bounded,
     open_regular,
     read_regular,
@@ -224,17 +225,6 @@ def _link_chain(path: Path, hops: int = 8) -> str:
             break
         seen.add(os.path.abspath(current))
     return " -> ".join(chain)
-
-
-def link_root(folder: Path) -> Path:
-    """The folder every symlink of the checkpoint ``folder`` must resolve into: the folder itself
-    (resolved), or, for a Hugging Face hub snapshot (``.../models--org--name/snapshots/<rev>``),
-    its repo folder ``models--org--name``, which holds the ``blobs`` its links point to."""
-    real = Path(os.path.realpath(folder))
-    for above in real.parents:
-        if above.name == "snapshots" and above.parent.name.startswith("models--"):
-            return above.parent
-    return real
 
 
 def check_link(path: Path, folder: Path, root: Path) -> None:

@@ -18,11 +18,13 @@ is and the fix; callers that own the folder (the cache) catch it and evict inste
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import json
 import os
 import re
+import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,6 +74,46 @@ def confined(path: Path, within: Path) -> Path:
             f"{path}{shown} lies outside {within}: every file it names must be inside that folder"
         )
     return resolved
+
+
+def link_root(folder: Path) -> Path:
+    """The folder every symlink of the checkpoint ``folder`` must resolve into: the folder itself
+    (resolved), or, for a Hugging Face hub snapshot (``.../models--org--name/snapshots/<rev>``),
+    its repo folder ``models--org--name``, which holds the ``blobs`` its links point to."""
+    real = Path(os.path.realpath(folder))
+    for above in real.parents:
+        if above.name == "snapshots" and above.parent.name.startswith("models--"):
+            return above.parent
+    return real
+
+
+def copy_regular(source: Path, target: Path, *, within: Path, what: str) -> None:
+    """Copy the regular file ``source`` to the new file ``target``, reading what ``source``
+    resolves to at the moment it is opened: a symlink must resolve inside ``within`` (a model
+    folder's :func:`link_root`), the resolved file is opened without following a link again
+    (``O_NOFOLLOW``) and checked with ``fstat``, and ``target`` is created, never written through
+    (``O_EXCL``). A link swapped to a host file after the folder was checked is refused in one
+    line instead of copied into an engine that gets published."""
+    resolved = confined(source, within)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(resolved, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # swapped for a link since it was resolved
+            raise UnsafeFileError(
+                f"{source} changed while it was copied ({what}): check the folder"
+            ) from None
+        raise
+    with os.fdopen(fd, "rb") as src:
+        mode = os.fstat(src.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise _refuse(source, mode, what)
+        os.set_blocking(src.fileno(), True)
+        out = os.open(
+            target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644
+        )
+        with os.fdopen(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
 
 
 def _refuse(path: Path, mode: int, what: str) -> UnsafeFileError:

@@ -10,7 +10,14 @@ from typing import Any
 
 from pipeline.core.artifacts import ARTIFACT_FILE
 from pipeline.core.errors import SourceError
-from pipeline.core.files import loads_bounded, read_regular_text, regular_size, walk_regular
+from pipeline.core.files import (
+    copy_regular,
+    link_root,
+    loads_bounded,
+    read_regular_text,
+    regular_size,
+    walk_regular,
+)
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 
 # Readers of a bad checkpoint file raise many types (OSError, ValueError, TypeError, KeyError,
@@ -83,11 +90,16 @@ def copy_beside_weights(source: Path, out_dir: Path, skip: tuple[str, ...] = ())
             list(walk_regular(path, what="a checkpoint file copied"))
         else:
             regular_size(path, what="a checkpoint file copied")
+    root = link_root(source)  # where a link may lead, checked again as each file is opened
+
+    def copy(src: str | Path, dst: str | Path) -> None:
+        copy_regular(Path(src), Path(dst), within=root, what="a checkpoint file copied")
+
     for path in top:
         if path.is_dir():
-            shutil.copytree(path, out_dir / path.name)
+            shutil.copytree(path, out_dir / path.name, copy_function=copy)
         else:
-            shutil.copy2(path, out_dir / path.name)
+            copy(path, out_dir / path.name)
 
 
 LM_HEAD = "lm_head"

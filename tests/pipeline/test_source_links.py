@@ -258,3 +258,55 @@ def test_a_symlink_loop_inside_the_model_folder_says_to_fix_the_link(checkpoint:
         path = link(checkpoint / "extras" / "chat.jinja", "chat.jinja")
     line = refused(checkpoint, "is a symlink loop")
     assert str(path) in line and "remove or fix the link" in line and "permissions" not in line
+
+
+# ---------------------------------------------------------------------------- a link swapped later
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "special_tokens_map.json", "extras/deep/notes.txt"])
+def test_a_link_swapped_to_a_host_file_after_the_check_is_not_copied(
+    checkpoint: Path, victim: Path, tmp_path: Path, name: str
+) -> None:
+    """The folder passed its check; then, while the run goes on, a file beside the weights becomes
+    a link to a host file. The torch passes' copy (copy_beside_weights) and the export's copy of
+    the tokenizer files open what the link resolves to at that moment and refuse it."""
+    from pipeline.core.files import UnsafeFileError
+    from pipeline.core.torch_model import copy_beside_weights
+
+    (checkpoint / "extras" / "deep").mkdir(parents=True)
+    for path in (checkpoint / name, checkpoint / "chat_template.jinja"):
+        path.write_text("{}" if path.suffix == ".json" else "{{ messages }}")
+    check_hf_llama(checkpoint)
+    link(checkpoint / name, victim)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(UnsafeFileError, match=r"lies outside .*ckpt: every file it names must be inside"):
+        copy_beside_weights(checkpoint, out)
+    assert holding_secret(tmp_path, victim) == []
+
+
+def test_the_export_copies_no_tokenizer_file_swapped_after_the_check(
+    checkpoint: Path, victim: Path, tmp_path: Path
+) -> None:
+    from passes.export import ExportPass
+    from pipeline.core.cache import Cache
+    from pipeline.core.files import UnsafeFileError
+    from pipeline.core.manager import PassManager
+
+    (checkpoint / "chat_template.jinja").write_text("{{ messages }}")
+    source = resolve_source(ModelConfig(name="x", path=str(checkpoint)), tmp_path / "models")
+    link(checkpoint / "chat_template.jinja", victim)
+    with pytest.raises(UnsafeFileError, match=r"chat_template.jinja .*lies outside"):
+        PassManager([ExportPass()], Cache(tmp_path / "cache"), final_kind=None).run(source)
+    assert holding_secret(tmp_path, victim) == []
+
+
+def test_links_inside_the_folder_are_still_copied(checkpoint: Path, tmp_path: Path) -> None:
+    from pipeline.core.torch_model import copy_beside_weights
+
+    (checkpoint / "real.txt").write_text("kept")
+    link(checkpoint / "notes.txt", checkpoint / "real.txt")
+    out = tmp_path / "out"
+    out.mkdir()
+    copy_beside_weights(checkpoint, out)
+    assert (out / "notes.txt").read_text() == "kept" and not (out / "notes.txt").is_symlink()
