@@ -63,6 +63,7 @@ from pipeline.config import (
     SCHEMA_SUFFIX,
     QualityConfig,
     RegistryConfig,
+    check_defaults_list,
     check_group_choices,
     check_primary_searchpath,
     check_recipe_file,
@@ -360,7 +361,9 @@ def _recipe_files_checked() -> Iterator[None]:
     def load_single(self: ConfigLoaderImpl, default: Any, repo: Any) -> Any:
         result = load(self, default, repo)
         if not trusted_source(result.path):
-            check_recipe_file(source_file(result.path, default.config_path), result.config)
+            file = source_file(result.path, default.config_path)
+            check_defaults_list(file, result.defaults_list)
+            check_recipe_file(file, result.config)
         return result
 
     def process_searchpath(self: ConfigLoaderImpl, config_name: Any, overrides: Any, repo: Any) -> Any:

@@ -952,6 +952,31 @@ def check_recipe_file(file: str, config: Any) -> None:
             raise _refuse(file, f"hydra.sweeper.params.{key}", "sets Hydra's own config in every job")
 
 
+def check_defaults_list(file: str, defaults: Any) -> None:
+    """Refuse, in one line naming ``file``, an entry of a recipe file's ``defaults:`` list that
+    calls a resolver outside :data:`FILE_RESOLVERS` (``- override quant: ${oc.env:QUANT}`` lets
+    the environment pick the recipe): Hydra resolves the list, and drops it from the config,
+    before :func:`check_recipe_file` sees the file. ``${group}`` choices stay allowed."""
+    for default in defaults or ():
+        for name in ("group", "value", "path", "package"):
+            values = getattr(default, name, None)
+            for value in values if isinstance(values, list) else [values]:
+                if not isinstance(value, str) or "${" not in value:
+                    continue
+                names = _interpolations(value)
+                bad = "an interpolation OmegaConf cannot parse" if names is None else None
+                bad = bad or next(
+                    (f"resolver {n}" for n in names or () if n and n not in FILE_RESOLVERS), None
+                )
+                if bad:
+                    raise _refuse(
+                        file,
+                        f"defaults: {_shown(value)}",
+                        f"calls {bad}" if bad.startswith("resolver") else f"is {bad}",
+                        never="lets the environment choose what it composes",
+                    )
+
+
 def check_primary_searchpath(source: str, config_name: str | None, config: Any) -> None:
     """A primary config read from a file outside ``configs/`` may not add search-path folders
     (Hydra reads them, and imports ``pkg://`` ones, before composing)."""

@@ -98,6 +98,23 @@ def test_a_run_folder_outside_the_launch_folder_from_a_file_is_refused(
     assert result.returncode == 2 and (victim / "run" / ".hydra").is_dir(), result.stderr[-500:]
 
 
+def test_a_resolver_in_a_files_defaults_list_is_refused(
+    recipes: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hydra resolves a defaults list (and drops it) before the file's config is checked: the
+    environment would choose the recipe (QUANT=int8 picks quant=int8)."""
+    work, folder, _ = recipes
+    monkeypatch.setenv("QUANT", "int8")
+    text = "defaults:\n  - pipeline\n  - override quant: ${oc.env:QUANT}\n  - _self_\n"
+    file = write(folder, "mine.yaml", text)
+    result = cli(work, "--config-dir", str(folder), "--config-name", "mine", "--cfg", "job")
+    line = assert_one_error_line(result, 2, str(file))
+    assert "defaults: ${oc.env:QUANT} calls resolver oc.env" in line and "never lets the environment" in line
+    write(folder, "plain.yaml", "defaults:\n  - pipeline\n  - override quant: int8\n  - _self_\n")
+    result = cli(work, "--config-dir", str(folder), "--config-name", "plain", "--cfg", "job")
+    assert result.returncode == 0 and "passes.recipes.Int8Recipe" in result.stdout, result.stderr[-2000:]
+
+
 def test_env_set_through_a_hydra_group_file_is_refused(recipes: tuple[Path, Path, Path]) -> None:
     work, folder, _ = recipes
     file = write(
