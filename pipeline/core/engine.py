@@ -503,6 +503,8 @@ class _Worst:
     id: int = -1
     token: str | None = None
     path: Path | None = None
+    highest: int = -1  # the largest id any file gives
+    known: set[str] = field(default_factory=set)  # every token some file gives an id
 
 
 def check_tokenizer_ids(folder: Path, vocab_size: int) -> None:
@@ -512,7 +514,8 @@ def check_tokenizer_ids(folder: Path, vocab_size: int) -> None:
     without transformers: ``tokenizer.json`` (``model.vocab``: token -> id, or Unigram's list of
     [piece, score] whose index is the id; ``added_tokens[].id``), ``tokenizer_config.json``
     (``added_tokens_decoder``'s keys), ``added_tokens.json`` and ``vocab.json``; the special tokens
-    ``tokenizer_config.json`` and ``special_tokens_map.json`` name are named in the message. A
+    ``tokenizer_config.json`` and ``special_tokens_map.json`` name are named in the message, and
+    one that no file gives an id (transformers adds it after the largest) must fit too. A
     tokenizer smaller than the vocabulary is normal (a padded embedding table); a binary
     ``tokenizer.model`` (SentencePiece) is not read."""
     roles: dict[str, str] = {}
@@ -539,6 +542,15 @@ def check_tokenizer_ids(folder: Path, vocab_size: int) -> None:
         raise EngineError(
             f"{worst.path}: token id {worst.id}{shown} is past the graph's vocabulary of {vocab_size} "
             f"(io.vocab_size in {ENGINE_FILE}): the tokenizer is not this engine's; rebuild the engine"
+        )
+    # A special token no file gives an id: transformers adds it after the largest id when it loads.
+    missing = [token for token in roles if token not in worst.known] if worst.highest >= 0 else []
+    if missing and worst.highest + len(missing) >= vocab_size:
+        token = missing[-1]
+        raise EngineError(
+            f"{folder}: the {roles[token]} {_shown_token(token)} is in no vocabulary of the tokenizer, so "
+            f"transformers would add it as token id {worst.highest + len(missing)}, past the graph's "
+            f"vocabulary of {vocab_size} (io.vocab_size in {ENGINE_FILE}): rebuild the engine"
         )
 
 
@@ -571,6 +583,9 @@ def _note(path: Path, field: str, token: Any, value: Any, worst: _Worst) -> None
             f"{path}:{where} token {_shown_token(token)} has the id {_shown(value)}, not a non-negative "
             "integer: the tokenizer is broken; rebuild the engine"
         )
+    worst.highest = max(worst.highest, value)
+    if isinstance(token, str):
+        worst.known.add(token)
     if value >= worst.vocab_size and value > worst.id:
         worst.id, worst.path = value, path
         worst.token = token if isinstance(token, str) else None
@@ -603,6 +618,7 @@ def _tokenizer_json(path: Path, data: dict[str, Any], worst: _Worst) -> None:
             last = vocab[-1]
             piece = last[0] if isinstance(last, list) and last and isinstance(last[0], str) else None
             _note(path, "model.vocab", piece, len(vocab) - 1, worst)
+            worst.known.update(e[0] for e in vocab if isinstance(e, list) and e and isinstance(e[0], str))
     elif vocab is not None:
         raise EngineError(f"{path}: model.vocab is {_kind(vocab)}, not a vocabulary: rebuild the engine")
     added = data.get("added_tokens")

@@ -143,6 +143,24 @@ def test_a_special_token_past_the_vocabulary_is_named_by_its_role(engine: Path) 
     assert f"token id {VOCAB + 1} ('<|im_end|>', the eos_token in tokenizer_config.json)" in message, message
 
 
+def test_a_special_token_no_file_gives_an_id_must_fit_where_transformers_adds_it(
+    engine: Path, padded_engine: Path, tmp_path: Path
+) -> None:
+    """transformers adds a special token the vocabulary lacks after the largest id: the tiny
+    engine's tokenizer fills its 320 rows, so a new pad token would be id 320."""
+    from transformers import AutoTokenizer
+
+    edit_json(engine / "special_tokens_map.json", lambda d: d.update(pad_token="<|pad|>"))
+    message = refusal(engine)
+    assert "the pad_token in special_tokens_map.json '<|pad|>' is in no vocabulary" in message, message
+    assert f"would add it as token id {VOCAB}" in message
+    assert AutoTokenizer.from_pretrained(engine).pad_token_id == VOCAB  # as transformers does
+    padded = tmp_path / "padded"  # with rows to spare (384), the added token fits
+    shutil.copytree(padded_engine, padded)
+    edit_json(padded / "special_tokens_map.json", lambda d: d.update(pad_token="<|pad|>"))
+    assert read_engine_spec(padded).io.vocab_size == 384
+
+
 @pytest.mark.parametrize("bad", ["7", -1, 2.5, None, True, [3]], ids=repr)
 @pytest.mark.parametrize("where", ["model.vocab", "added_tokens", "added_tokens.json", "decoder key"])
 def test_a_token_id_that_is_not_a_non_negative_integer_is_refused(engine: Path, where: str, bad: Any) -> None:
