@@ -199,7 +199,8 @@ def check_run_dir(run_dir: Path) -> None:
     (``manifest.json``, whatever it is): the new run would replace that record and its engine.
     Checked before Hydra writes anything there (its ``.hydra/`` and log), by
     :func:`_hydra_errors_as_one_line`; a new, empty or unfinished run folder (no record) is used
-    as before, so a failed or interrupted run is rerun into its folder."""
+    as before, so a failed or interrupted run is rerun into its folder. A folder inside another
+    run's folder (its ``engine/``) is refused too."""
     from pipeline.manifest import MANIFEST_FILE
 
     record = run_dir / MANIFEST_FILE
@@ -208,6 +209,14 @@ def check_run_dir(run_dir: Path) -> None:
             f"hydra.run.dir={run_dir} already holds a run (its record {record}), which a new run would "
             f"overwrite with its engine; name a new folder (by default each run gets one), or remove "
             f"{record} to rerun into it"
+        )
+    inside = next(
+        (p for p in Path(os.path.abspath(run_dir)).parents if os.path.lexists(p / MANIFEST_FILE)), None
+    )
+    if inside is not None:  # its engine/ folder, say: the run's record lists every file there
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} lies inside the run {inside} (its record {inside / MANIFEST_FILE}), "
+            "whose engine a new run would change; name a folder outside it"
         )
 
 

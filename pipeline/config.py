@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -666,14 +667,16 @@ FILE_RESOLVERS = ("now", "run_suffix", "launch_dir")
 
 
 # Where Hydra writes a run's files: from a file, relative to the launch folder, or under
-# ${launch_dir:} (configs/pipeline.yaml's sweep folder); an interpolation of another key is that
-# key's value, checked where it is set.
+# ${launch_dir:} (configs/pipeline.yaml's sweep folder). Only our resolvers and Hydra's job
+# fields may be interpolated there: another key may hold an absolute path (a file can set one).
 OUTPUT_LOCATIONS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.output_subdir")
+_OUTPUT_INTERPOLATION = re.compile(r"\$\{(?:(?:now|run_suffix):[^${}]*|hydra\.job\.(?:num|id|name))\}")
 
 
 def _leaves_launch_dir(value: str) -> bool:
     rest = value.removeprefix("${launch_dir:}").lstrip("/") if value.startswith("${launch_dir:}") else value
-    return rest.startswith(("/", "~")) or ".." in rest.replace("\\", "/").split("/")
+    rest = _OUTPUT_INTERPOLATION.sub("x", rest)
+    return "${" in rest or rest.startswith(("/", "~")) or ".." in rest.replace("\\", "/").split("/")
 
 
 def trusted_source(source: str) -> bool:
@@ -932,8 +935,9 @@ def check_recipe_file(file: str, config: Any) -> None:
             raise _refuse(
                 file,
                 f"{key}={_shown(value)}",
-                "is absolute or climbs out with '..'",
-                never="writes outside the folder it is run from (a relative path, or ${launch_dir:}/...)",
+                "is absolute, climbs out with '..' or interpolates another key",
+                never="writes outside the folder it is run from (a relative path or ${launch_dir:}/..., "
+                "with ${now:...}, ${run_suffix:} and ${hydra.job.num} inside)",
             )
     if node.get("searchpath"):
         raise _refuse(file, "hydra.searchpath", "adds config folders (give them with --config-dir)")

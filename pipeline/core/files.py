@@ -61,6 +61,8 @@ def describe_mode(mode: int) -> str:
         return "a socket"
     if stat.S_ISLNK(mode):
         return "a symlink"
+    if stat.S_ISREG(mode):
+        return "a regular file"
     return "not a regular file"
 
 

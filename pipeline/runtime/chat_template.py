@@ -11,7 +11,8 @@ same environment (transformers' filters, globals and extensions) with these boun
 - time: a deadline checked at every line the compiled template runs (a trace function that
   follows the template's own frames only, so the rest of the process runs untraced);
 - size: every value a call, filter, arithmetic operator or ``~`` join produces is at most
-  :data:`MAX_VALUE_ITEMS` long, and an integer argument past that bound (a width, a count) is
+  :data:`MAX_VALUE_ITEMS` long, counted as it would print (nested lists included), and an
+  integer argument past that bound (a width, a count) is
   refused before the call runs; a power or product of integers past :data:`MAX_INT_BITS` too;
 - output: the rendered text is streamed and refused past :data:`MAX_OUTPUT_CHARS`.
 
@@ -29,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -46,6 +48,8 @@ MAX_OUTPUT_CHARS = 1 << 24
 MAX_VALUE_ITEMS = 1 << 24
 # An integer the template computes (a ``**`` or ``*`` of integers) has at most this many bits.
 MAX_INT_BITS = 4096
+# How deep values the template computes may nest (lists in lists).
+MAX_NESTING = 64
 # The template's own source: real ones are a few KiB, tool-calling ones tens of KiB.
 MAX_SOURCE_CHARS = 1 << 20
 # The file name the compiled template's code runs under: the deadline follows these frames only.
@@ -62,8 +66,39 @@ class _Overrun(Exception):
     """Raised inside the render when a bound is passed; turned into one line by the caller."""
 
 
+_SIZED = (str, bytes, list, tuple, dict, set, frozenset)
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+# The rendered size of each container a render has sized, by id (the container is kept with it,
+# so the id stays its own): a list repeated 16,000 times inside another is sized once.
+_sizes: ContextVar[dict[int, tuple[Any, int]] | None] = ContextVar("chat_template_sizes", default=None)
+
+
+def _size(value: Any, depth: int = 0) -> int:
+    """About how many items ``str(value)`` writes: a string its characters, a container its items
+    and, recursively, theirs (a container that appears twice counts twice). Past
+    :data:`MAX_VALUE_ITEMS`, :class:`_Overrun`: ``[[0] * 16000] * 16000`` holds 16,000 items, but
+    printing it writes 256 million."""
+    if not isinstance(value, _CONTAINERS):
+        return len(value) if isinstance(value, (str, bytes)) else 1
+    sizes = _sizes.get()
+    known = sizes.get(id(value)) if sizes is not None else None
+    if known is not None and known[0] is value:
+        return known[1]
+    if depth > MAX_NESTING:
+        raise _Overrun(f"nests values more than {MAX_NESTING} deep")
+    total = len(value)
+    for item in (*value.keys(), *value.values()) if isinstance(value, dict) else value:
+        if isinstance(item, _SIZED):
+            total += _size(item, depth + 1)
+            if total > MAX_VALUE_ITEMS:
+                raise _Overrun(f"computes a value of more than {MAX_VALUE_ITEMS:,} items")
+    if sizes is not None:
+        sizes[id(value)] = (value, total)
+    return total
+
+
 def _check_value(value: Any) -> Any:
-    if isinstance(value, (str, bytes, list, tuple, dict, set, frozenset)) and len(value) > MAX_VALUE_ITEMS:
+    if isinstance(value, _SIZED) and _size(value) > MAX_VALUE_ITEMS:
         raise _Overrun(f"computes a value of {len(value):,} items (the bound is {MAX_VALUE_ITEMS:,})")
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > MAX_INT_BITS:
         raise _Overrun(f"computes an integer of {value.bit_length():,} bits (the bound is {MAX_INT_BITS})")
@@ -92,7 +127,7 @@ def _bounded(function: Callable[..., Any]) -> Callable[..., Any]:
 def _bounded_join(join: Callable[[Any], str]) -> Callable[[Any], str]:
     def bounded(parts: Any) -> str:
         parts = tuple(parts)
-        total = sum(len(part) for part in parts if isinstance(part, str))
+        total = sum(_size(part) for part in parts)  # a list printed by the join counts as printed
         if total > MAX_VALUE_ITEMS:
             raise _Overrun(f"joins {total:,} characters (the bound is {MAX_VALUE_ITEMS:,})")
         return join(parts)
@@ -140,9 +175,22 @@ def _environment() -> BoundedSandbox:
         extensions=[type(extension) for extension in theirs.extensions.values()],
     )
     environment.globals.update(theirs.globals)
+    environment.globals["namespace"] = _bounded_namespace(theirs.globals["namespace"])
     environment.filters.update({name: _bounded(f) for name, f in theirs.filters.items()})
     environment.tests.update(theirs.tests)
+    environment.finalize = _check_value  # every {{ }} value, before it is printed
     return environment
+
+
+def _bounded_namespace(namespace: type) -> type:
+    """transformers' ``namespace``, whose attributes (the only state a loop carries from one
+    iteration to the next) are bounded as they are set: ``ns.l = [ns.l, ns.l]`` forty times
+    would otherwise build a value whose printing, or comparison, runs in C for hours."""
+
+    def set_bounded(self: Any, name: str, value: Any) -> None:
+        namespace.__setitem__(self, name, _check_value(value))
+
+    return type("BoundedNamespace", (namespace,), {"__setitem__": set_bounded})
 
 
 @functools.lru_cache(maxsize=8)
@@ -224,12 +272,16 @@ def render_chat(
             "add_generation_prompt": add_generation_prompt,
         }
         pieces, size = [], 0
-        with _deadline(seconds):
-            for piece in template.generate(context):
-                size += len(piece)
-                if size > MAX_OUTPUT_CHARS:
-                    raise _Overrun(f"renders more than {MAX_OUTPUT_CHARS:,} characters")
-                pieces.append(piece)
+        sizes = _sizes.set({})
+        try:
+            with _deadline(seconds):
+                for piece in template.generate(context):
+                    size += len(piece)
+                    if size > MAX_OUTPUT_CHARS:
+                        raise _Overrun(f"renders more than {MAX_OUTPUT_CHARS:,} characters")
+                    pieces.append(piece)
+        finally:
+            _sizes.reset(sizes)
         text = "".join(pieces)
     except _Overrun as exc:
         raise ChatTemplateError(f"{where}: the chat template {exc}: fix or replace the template") from None

@@ -449,3 +449,19 @@ def test_a_new_empty_or_unfinished_run_folder_is_used(tmp_path: Path) -> None:
     (tmp_path / "linked" / "manifest.json").symlink_to(tmp_path / "nothing")  # even a dangling link
     with pytest.raises(ConfigError, match="already holds a run"):
         check_run_dir(tmp_path / "linked")
+
+
+def test_a_folder_inside_another_runs_folder_is_refused(tmp_path: Path) -> None:
+    """hydra.run.dir=<old run>/engine would add files to that run's engine, which its record
+    lists: the old run could no longer be published."""
+    from pipeline.__main__ import check_run_dir
+    from pipeline.core.errors import ConfigError
+
+    old = tmp_path / "old"
+    (old / "engine").mkdir(parents=True)
+    (old / "manifest.json").write_text(VICTIM)
+    for inside in (old / "engine", old / "engine" / "deeper", old / "new"):
+        with pytest.raises(ConfigError, match=rf"lies inside the run {old} .*name a folder outside it"):
+            check_run_dir(inside)
+    assert sorted(p.name for p in old.iterdir()) == ["engine", "manifest.json"]
+    check_run_dir(tmp_path / "beside")

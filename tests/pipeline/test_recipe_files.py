@@ -284,6 +284,7 @@ def test_only_the_shipped_configs_are_trusted(tmp_path: Path) -> None:
         ({"run": {"dir": "~/.ssh"}}, "hydra.run.dir=~/.ssh is absolute"),
         ({"sweep": {"dir": "${launch_dir:}/../../x"}}, "hydra.sweep.dir=${launch_dir:}/../../x"),
         ({"sweep": {"subdir": "a/../../../b"}}, "hydra.sweep.subdir=a/../../../b"),
+        ({"run": {"dir": "${pipeline.models_dir}/run"}}, "hydra.run.dir=${pipeline.models_dir}/run"),
         ({"output_subdir": "../../.config"}, "hydra.output_subdir=../../.config"),
     ],
 )

@@ -244,12 +244,36 @@ def test_a_resolver_we_do_not_use_is_refused_anywhere_in_a_file(
             "\\${oc.env:X}",
         ]
     ),
-    place=st.sampled_from(
-        [p for p in PLACES if p[0] != "hydra"] + [["hydra", "run", "dir"], ["hydra", "sweep", "dir"]]
-    ),
+    place=st.sampled_from([p for p in PLACES if p[0] != "hydra"] + [["hydra", "mode"], ["hydra", "verbose"]]),
 )
 def test_other_keys_and_our_resolvers_may_be_interpolated(value: str, place: list[str]) -> None:
     check_recipe_file(FILE, OmegaConf.create(nest(place, value)))
+
+
+OUTPUTS = [["hydra", "run", "dir"], ["hydra", "sweep", "dir"], ["hydra", "sweep", "subdir"]]
+OUTPUTS += [["hydra", "output_subdir"]]
+OURS = ["runs/${now:%H}", "${launch_dir:}/runs/${run_suffix:}", "${hydra.job.num}", "a/b"]
+OTHERS = ["${a.b}/run", "${pipeline.models_dir}", "x-${model.name}", "${..name}", "/x", "../x"]
+
+
+@CHEAP
+@given(
+    value=st.sampled_from(OURS),
+    place=st.sampled_from(OUTPUTS),
+)
+def test_where_a_run_is_written_a_file_may_interpolate_only_ours(value: str, place: list[str]) -> None:
+    check_recipe_file(FILE, OmegaConf.create(nest(place, value)))
+
+
+@CHEAP
+@given(
+    value=st.sampled_from(OTHERS),
+    place=st.sampled_from(OUTPUTS),
+)
+def test_where_a_run_is_written_another_key_is_refused(value: str, place: list[str]) -> None:
+    """Another key may hold an absolute path (the same file may set it): Hydra would write there."""
+    message = refusal(nest(place, value))
+    assert message.startswith(f"{FILE}: {'.'.join(place)}=") and "never writes outside" in message, message
 
 
 def test_the_secret_itself_never_reaches_the_message(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -89,6 +89,22 @@ RUNAWAY = {
         "items",
     ),
     "percent width": ("{{ '%*d' % (10000000000, 1) }}", "passes"),
+    "a list printed as 256 million items": ("{{ [[0] * 16000] * 16000 }}", "more than 16,777,216 items"),
+    "doubling a namespace list": (
+        "{% set ns = namespace(l=[1]) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}"
+        "{{ ns.l|length }}",
+        "more than 16,777,216 items",
+    ),
+    "comparing two doubled lists": (
+        "{% set ns = namespace(a=[1], b=[1]) %}{% for i in range(40) %}{% set ns.a = [ns.a, ns.a] %}"
+        "{% set ns.b = [ns.b, ns.b] %}{% endfor %}{{ ns.a == ns.b }}",
+        "items",
+    ),
+    "doubling through a macro": (
+        "{% macro f(x, n) %}{% if n > 0 %}{{ f([x, x], n - 1) }}{% else %}{{ x|length }}{% endif %}"
+        "{% endmacro %}{{ f([1], 40) }}",
+        "items",
+    ),
     "long output": ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "renders more than"),
 }
 
