@@ -42,7 +42,12 @@ from pipeline.core.artifacts import write_json
 from pipeline.core.cache import library_versions, load_record, read_record, write_record
 from pipeline.core.config import build_config
 from pipeline.core.engine import read_engine_spec
-from pipeline.core.errors import ConfigError, EngineError, PipelineError, describe_os_error, one_line
+from pipeline.core.errors import (
+    ConfigError,
+    EngineError,
+    PipelineError,
+    print_error,
+)
 from pipeline.core.files import check_output_file, loads_bounded
 from pipeline.core.signals import exit_code, interrupt_on_sigterm
 from pipeline.core.subprocesses import child_environment, isolated_python
@@ -459,12 +464,8 @@ def main(argv: list[str] | None = None) -> int:
             write_json(check_output_file(args.json, "the benchmark record, --json"), record)
         else:
             print(text)
-    except PipelineError as exc:
-        print(one_line(f"error: {exc}"), file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
-        return 1
+    except (PipelineError, OSError) as exc:
+        return print_error(exc)
     except KeyboardInterrupt as exc:
         print(f"interrupted ({exc or 'Ctrl-C'})", file=sys.stderr)
         return exit_code(exc)

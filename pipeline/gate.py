@@ -27,7 +27,7 @@ from pipeline.config import DRIFT_FAMILIES, EvalConfig, QualityConfig
 from pipeline.core.artifacts import Artifact, Kind, digest_of, sha256_file, write_json
 from pipeline.core.config import validate_tree
 from pipeline.core.engine import read_engine_spec
-from pipeline.core.errors import EngineError, PipelineError, describe_os_error, first_line
+from pipeline.core.errors import EngineError, PipelineError, first_line, print_error
 from pipeline.core.files import check_output_file, loads_bounded, read_regular_text
 from pipeline.core.signals import exit_code, interrupt_on_sigterm
 
@@ -326,12 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         record = gate_fn(
             candidate, baseline, config, quality, family, args.cache_dir, calibration_length(passes)
         )
-    except PipelineError as exc:  # GateError and SuiteError are PipelineErrors
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except OSError as exc:  # e.g. the score cache cannot be written: one line naming the path
-        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
-        return 1
+    except (PipelineError, OSError) as exc:  # GateError, SuiteError; a score cache not written
+        return print_error(exc)
     except KeyboardInterrupt as exc:
         print("interrupted: scores finished so far are cached; rerun to resume", file=sys.stderr)
         return exit_code(exc)
@@ -342,12 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             write_json(check_output_file(args.json, JSON_WHAT), record)
         except PipelineError as exc:  # made a FIFO, a link... while the gate ran
-            print(f"error: {exc}", file=sys.stderr)
-            return exc.exit_code
+            return print_error(exc)
         except OSError as exc:
             exc.add_note("the gate record, --json")
-            print(f"error: {describe_os_error(exc)}", file=sys.stderr)
-            return 1
+            return print_error(exc)
     passed = record["verdict"] == "PASS"
     print(f"gate {record['verdict']}: {record['reason']}", file=sys.stdout if passed else sys.stderr)
     return GATE_EXIT_CODES[record["verdict"]]

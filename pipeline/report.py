@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.errors import PipelineError, describe_os_error, one_line
+from pipeline.core.errors import PipelineError, print_error
 from pipeline.core.files import check_output_file
 from pipeline.registry import DEFAULT_ROOT, Ref, Registry, RegistryError, open_registry
 
@@ -319,12 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     flags = [flag for recipe in recipes for flag in regressions(recipe, limits)]
     try:
         write_report(args.out, render(recipes, flags, store.root))
-    except PipelineError as exc:
-        print(one_line(f"error: {exc}"), file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
-        return 1
+    except (PipelineError, OSError) as exc:
+        return print_error(exc)
     for flag in flags:
         print(f"regression: {flag}")
     print(f"wrote {args.out} ({len(recipes)} recipes, {len(flags)} regressions flagged)")

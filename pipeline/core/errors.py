@@ -104,3 +104,17 @@ def describe_os_error(exc: OSError) -> str:
         target += f" (to {shown_path(exc.filename2)})"
     context = "; ".join(one_line(note) for note in getattr(exc, "__notes__", []) if str(note).strip())
     return one_line(f"{target}: {reason}" + (f" ({context})" if context else ""))
+
+
+def print_error(exc: PipelineError | OSError, suffix: str = "") -> int:
+    """Print ``exc`` as one ``error:`` line on stderr (an OS error as :func:`describe_os_error`
+    says it, ``suffix`` after it) and return the exit code a command line ends with: a
+    :class:`PipelineError`'s own (2: the input; 1: storage), 2 for an OS error the input caused
+    (:data:`BAD_INPUT_ERRNOS`), else 1. The one way every ``python -m`` entry point reports."""
+    import sys
+
+    if isinstance(exc, OSError):
+        print(one_line(f"error: {describe_os_error(exc)}{suffix}"), file=sys.stderr)
+        return os_error_exit_code(exc)
+    print(one_line(f"error: {exc}{suffix}"), file=sys.stderr)
+    return exc.exit_code

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.core.errors import PipelineError, one_line
+from pipeline.core.errors import PipelineError, os_error_exit_code, print_error
 from pipeline.core.files import check_output_folder
 from pipeline.core.signals import exit_code, interrupt_on_sigterm
 from pipeline.registry import CHANNELS, DEFAULT_ROOT, Ref, open_registry
@@ -233,11 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         _warnings_as_lines()
         return int(args.run(open_registry(args.root, args.uri), args))
     except PipelineError as exc:  # RegistryIOError (the OS refused): exit code 1
-        print(one_line(f"error: {exc}"), file=sys.stderr)
-        return exc.exit_code
+        return print_error(exc)
     except OSError as exc:  # not foreseen above: still one line naming the path
         print(f"error: {describe(exc)} (while running `{' '.join(sys.argv[1:3])}`)", file=sys.stderr)
-        return 1
+        return os_error_exit_code(exc)
     except KeyboardInterrupt as exc:
         print(
             "interrupted: nothing half-written is visible (a publish stops before its version record, "

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,3 +142,24 @@ def test_the_promotion_reason_is_one_bounded_line(reason: str, says: str) -> Non
         RegistryConfig(force=reason).validate()
     RegistryConfig(force="hotfix #42: tokenizer fix, gate rerun tomorrow").validate()
     RegistryConfig(force="r" * MAX_FORCE_REASON).validate()
+
+
+def test_every_entry_point_reports_a_name_too_long_as_bad_input(
+    tiny_engine: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bench, gate and report say an output name too long for the file system in one line with
+    exit 2, as python -m pipeline does (pipeline.core.errors.print_error)."""
+    from pipeline import bench, gate, report
+
+    long_name = str(tmp_path / ("o" * 300))
+    calls = {
+        "bench": lambda: bench.main([str(tiny_engine.path), "--json", long_name]),
+        "gate": lambda: gate.main(
+            ["--baseline", str(tiny_engine.path), "--candidate", str(tiny_engine.path), "--json", long_name]
+        ),
+        "report": lambda: report.main(["nightly", "--root", str(tmp_path / "none"), "--out", long_name]),
+    }
+    for name, call in calls.items():
+        assert call() == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: bad path ") and "shorten it" in err[0], (name, err)
