@@ -93,9 +93,9 @@ def copy_regular(source: Path, target: Path, *, within: Path, what: str) -> None
     """Copy the regular file ``source`` to the new file ``target``, reading what ``source``
     resolves to at the moment it is opened: a symlink must resolve inside ``within`` (a model
     folder's :func:`link_root`), the resolved file is opened without following a link again
-    (``O_NOFOLLOW``) and checked with ``fstat``, and ``target`` is created, never written through
-    (``O_EXCL``). A link swapped to a host file after the folder was checked is refused in one
-    line instead of copied into an engine that gets published."""
+    (``O_NOFOLLOW``) and checked with ``fstat``, and ``target`` is created or replaced, never
+    written through a link (``O_NOFOLLOW``). A link swapped to a host file after the folder was
+    checked is refused in one line instead of copied into an engine that gets published."""
     resolved = confined(source, within)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     try:
@@ -112,7 +112,7 @@ def copy_regular(source: Path, target: Path, *, within: Path, what: str) -> None
             raise _refuse(source, mode, what)
         os.set_blocking(src.fileno(), True)
         out = os.open(
-            target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644
+            target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644
         )
         with os.fdopen(out, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
