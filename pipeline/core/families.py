@@ -1,0 +1,153 @@
+"""What the passes know of a model family, keyed by ``config.json``'s ``model_type``: one typed,
+frozen :class:`Family` per family, read by every pass instead of naming Llama's modules.
+
+A family says where its modules lie (the decoder stack, embeddings, final norm and head; in each
+block the attention and MLP containers, the projections and the norms), what its config may add
+to a Llama block (projection biases, per-head q/k norms, a ``head_dim`` of its own, a sliding
+window), and which norm or linear smooths which projections for AWQ and SmoothQuant.
+
+The two anchors, whose shapes this follows:
+
+- llm-compressor's per-architecture mappings (``modifiers/awq/mappings.py``
+  ``AWQ_MAPPING_REGISTRY`` and ``modifiers/transform/smoothquant/utils.py``
+  ``DEFAULT_SMOOTHQUANT_MAPPINGS``): a smoothing group is a producer (a norm, or the linear
+  before) and the projections it feeds. Llama, Mistral, Qwen2 and Qwen3 all use the default
+  mapping: input norm -> q/k/v, v -> o, post-attention norm -> gate/up, up -> down.
+- ONNX Runtime GenAI's model builder (``src/python/py/models/builders/``): one base that reads
+  head size, window, activation, norm and rope from the config, with thin per-family classes
+  (Qwen2 adds nothing but its biases, found on the modules; Qwen3 its q/k norms; Mistral
+  nothing).
+
+Adding a family is one more :class:`Family` in :data:`FAMILIES` and its test; the config bounds
+of a family live beside it in ``pipeline/source_config.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from pipeline.core.errors import SourceError
+
+# How a smoothing group's producer absorbs the inverse of the scale its consumers take:
+# "norm": the norm's gain; "up": the output rows of the linear before (MLP up -> down);
+# "v": the output rows of v_proj, one scale per KV head shared by the query heads it serves (-> o).
+SMOOTHING_KINDS = ("norm", "up", "v")
+
+
+@dataclass(frozen=True)
+class Smoothing:
+    """One AWQ / SmoothQuant group, its module names relative to a decoder block."""
+
+    name: str  # "qkv", "o", "gate_up", "down": the group's name in records and per-group settings
+    kind: str  # one of SMOOTHING_KINDS
+    producer: str  # "input_layernorm", "self_attn.v_proj", ...
+    consumers: tuple[str, ...]  # the projections that take the scale: "self_attn.q_proj", ...
+    # What AWQ runs to score a scale: the block the consumers belong to ("self_attn" is called
+    # with the layer's attention arguments), or None where the consumer alone is scored.
+    scored_by: str | None
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a family's modules lie and what its config may add; names as transformers has them."""
+
+    model_type: str
+    architectures: tuple[str, ...]  # config.json ``architectures`` accepted for this model_type
+    smoothing: tuple[Smoothing, ...]
+    layers: str = "model.layers"
+    embeddings: str = "model.embed_tokens"
+    final_norm: str = "model.norm"
+    head: str = "lm_head"
+    rotary: str = "model.rotary_emb"
+    attention: str = "self_attn"
+    mlp: str = "mlp"
+    q: str = "q_proj"
+    k: str = "k_proj"
+    v: str = "v_proj"
+    o: str = "o_proj"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    input_norm: str = "input_layernorm"
+    post_attention_norm: str = "post_attention_layernorm"
+    qk_norms: tuple[str, str] | None = None  # per-head RMSNorm of q and k before rotary (Qwen3)
+    fixed_biases: tuple[str, ...] = ()  # projections that always carry a bias (Qwen2: q, k, v)
+    bias_flags: tuple[str, ...] = ("attention_bias", "mlp_bias")  # config keys that add biases
+    window_key: str | None = None  # the config key of the sliding window (Mistral, Qwen2)
+
+    def layer(self, index: int) -> str:
+        """The module name of decoder block ``index``: ``model.layers.3``."""
+        return f"{self.layers}.{index}"
+
+    @property
+    def attention_projections(self) -> tuple[str, ...]:
+        """q, k, v, o, relative to a decoder block: ``self_attn.q_proj``, ..."""
+        return tuple(f"{self.attention}.{name}" for name in (self.q, self.k, self.v, self.o))
+
+    @property
+    def mlp_projections(self) -> tuple[str, ...]:
+        """gate, up, down, relative to a decoder block."""
+        return tuple(f"{self.mlp}.{name}" for name in (self.gate, self.up, self.down))
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """Every linear of a decoder block, in module order."""
+        return self.attention_projections + self.mlp_projections
+
+    @property
+    def norms(self) -> tuple[str, str]:
+        """A decoder block's two norms, relative to it."""
+        return (self.input_norm, self.post_attention_norm)
+
+    def window(self, config: Mapping[str, Any], layer: int) -> int:
+        """The attention window of decoder block ``layer`` (0: it sees every position)."""
+        if self.window_key is None:
+            return 0
+        types = config.get("layer_types")
+        if isinstance(types, list) and layer < len(types) and types[layer] != "sliding_attention":
+            return 0
+        return int(config.get(self.window_key) or 0)
+
+
+def head_dim(config: Mapping[str, Any]) -> int:
+    """The width of one attention head: ``head_dim`` where the config sets it (Qwen3's differs
+    from ``hidden_size / num_attention_heads``), else that quotient."""
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+# Llama's, and llm-compressor's default for Mistral, Qwen2 and Qwen3 as well.
+DEFAULT_SMOOTHING = (
+    Smoothing(
+        "qkv",
+        "norm",
+        "input_layernorm",
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "self_attn",
+    ),
+    Smoothing("o", "v", "self_attn.v_proj", ("self_attn.o_proj",), None),
+    Smoothing("gate_up", "norm", "post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    Smoothing("down", "up", "mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+)
+
+LLAMA = Family(model_type="llama", architectures=("LlamaForCausalLM",), smoothing=DEFAULT_SMOOTHING)
+
+FAMILIES: Mapping[str, Family] = MappingProxyType({family.model_type: family for family in (LLAMA,)})
+
+
+def supported() -> str:
+    """The families we build, for messages: ``Llama (LlamaForCausalLM)``."""
+    return ", ".join(f"{f.model_type.capitalize()} ({', '.join(f.architectures)})" for f in FAMILIES.values())
+
+
+def family_of(config: Mapping[str, Any], where: str = "config.json") -> Family:
+    """The family of a checkpoint's ``config.json``; one line naming the supported ones if none."""
+    model_type = config.get("model_type")
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise SourceError(
+            f"{where} declares model_type {model_type!r}: the supported families are {supported()}"
+        )
+    return family
