@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 from pipeline.config import ModelConfig, check_path_name
 from pipeline.core.artifacts import Artifact, Kind, sha256_file, write_json, write_metadata
 from pipeline.core.errors import SourceError, first_line
+from pipeline.core.families import FAMILIES, supported
 from pipeline.core.files import (
     UnsafeFileError,
     describe_mode,
@@ -64,7 +65,7 @@ from pipeline.source_config import check_config, check_generation_config
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SUPPORTED_ARCHITECTURES = tuple(a for family in FAMILIES.values() for a in family.architectures)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 SOURCE_FILE = "source.json"
@@ -321,11 +322,11 @@ def check_hf_llama(folder: Path, where: str | None = None) -> dict[str, Any]:
             f"{config_path} has architectures={architectures!r}, not a list of names: expected "
             '["LlamaForCausalLM"]; re-save the checkpoint'
         )
-    if config.get("model_type") != "llama" or not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+    family = FAMILIES.get(config.get("model_type"))  # type: ignore[arg-type]
+    if family is None or not set(architectures) & set(family.architectures):
         found = ", ".join(architectures) or str(config.get("model_type") or "none")
         raise SourceError(
-            f"{config_path} declares architecture {found}: only Llama (LlamaForCausalLM) checkpoints "
-            "are supported"
+            f"{config_path} declares architecture {found}: only {supported()} checkpoints are supported"
         )
     check_config(config, str(config_path))  # every field a pass or the engine reads, bounded
     if "quantization_config" in config:
@@ -348,7 +349,7 @@ def check_hf_llama(folder: Path, where: str | None = None) -> dict[str, Any]:
     if "tokenizer.json" in files:
         check_tokenizer_json(folder / "tokenizer.json")
     return {
-        "architecture": architectures[0] if architectures else "LlamaForCausalLM",
+        "architecture": architectures[0] if architectures else family.architectures[0],
         "num_hidden_layers": config.get("num_hidden_layers"),
         "hidden_size": config.get("hidden_size"),
         "vocab_size": config.get("vocab_size"),
@@ -570,12 +571,13 @@ def _legacy_buffers(plan: PlannedModel) -> dict[str, PlannedTensor]:
     """Tensors older transformers saved that today's loader skips: each layer's rotary
     ``inv_freq`` (now one buffer of the model). Accepted, never required, at the skeleton's shape."""
     buffers = dict(plan.skeleton.named_buffers())
-    inv_freq = buffers.get("model.rotary_emb.inv_freq")
+    family = plan.family
+    inv_freq = buffers.get(f"{family.rotary}.inv_freq")
     if inv_freq is None:
         return {}
     layers = int(plan.config.get("num_hidden_layers") or 0)
     planned = PlannedTensor(tuple(int(d) for d in inv_freq.shape))
-    return {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": planned for i in range(layers)}
+    return {f"{family.layer(i)}.{family.attention}.rotary_emb.inv_freq": planned for i in range(layers)}
 
 
 def _check_index_map(index_path: Path, weight_map: dict[str, str], found: dict[str, str]) -> None:

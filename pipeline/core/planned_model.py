@@ -22,6 +22,7 @@ from typing import Any
 
 from pipeline.core.artifacts import Artifact
 from pipeline.core.errors import SourceError
+from pipeline.core.families import Family, family_of
 from pipeline.core.files import UnsafeFileError, loads_bounded, read_regular_text
 
 CONFIG_MAX_BYTES = 16 << 20  # a config.json is kilobytes; a bigger one is not a config
@@ -74,6 +75,11 @@ class PlannedModel:
                 if built in self.__dict__:
                     copy.__dict__[built] = self.__dict__[built]
         return copy
+
+    @cached_property
+    def family(self) -> Family:
+        """What the passes know of this checkpoint's family (:mod:`pipeline.core.families`)."""
+        return family_of(self.config)
 
     @cached_property
     def skeleton(self) -> Any:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.families import head_dim
 from pipeline.core.files import loads_bounded
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
@@ -39,7 +40,7 @@ class ModelShapes:
             num_layers=int(config["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
+            head_dim=head_dim(config),
             vocab_size=int(config["vocab_size"]),
             tied=bool(config.get("tie_word_embeddings", False)),
             source_dtype=dtype if dtype in DTYPE_BYTES else "float32",

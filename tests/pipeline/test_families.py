@@ -86,3 +86,14 @@ def test_an_unknown_model_type_is_one_line_naming_the_families(model_type: objec
         f"/m/config.json declares model_type {model_type!r}: the supported families are {supported()}"
     )
     assert "Llama (LlamaForCausalLM)" in message and family_of({"model_type": "llama"}) is LLAMA
+
+
+def test_every_family_has_its_config_bounds_and_every_bound_its_family() -> None:
+    from pipeline.source_config import BOUNDS
+
+    assert set(BOUNDS) == set(FAMILIES)
+
+
+def test_a_planned_model_knows_its_family(tiny_llama: Path) -> None:
+    plan = PlannedModel.of(Artifact.from_dir(Kind.TORCH, tiny_llama))
+    assert plan is not None and plan.family is LLAMA
