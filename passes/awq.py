@@ -67,6 +67,7 @@ from passes.int4 import (
 )
 from pipeline.core.config import MAX_REPEATS, MAX_SAMPLES, check_int
 from pipeline.core.distributed import Group
+from pipeline.core.families import Family, Smoothing
 from pipeline.core.torch_model import LM_HEAD
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,6 @@ log = logging.getLogger(__name__)
 CLIP_MAX_SHRINK = 0.5
 CLIP_GRID = 20
 SKETCH_SEED = 0
-NO_CLIP = ("q_proj", "k_proj")  # their error is amplified by the attention scores (llm-awq)
 
 
 class Objective(enum.StrEnum):
@@ -362,41 +362,38 @@ def apply_clip(weight: Any, bound: Any, group_size: int) -> None:
     grouped.copy_(grouped.clamp(-bound[..., None], bound[..., None]))
 
 
-def layer_groups(layer: Any, inputs: LayerInputs) -> tuple[list[ScaleGroup], list[Any]]:
-    """The scale groups of a Llama decoder layer with their inputs, and the layer's fp32 outputs."""
-    attn, mlp = layer.self_attn, layer.mlp
-    probes = {"qkv": attn.q_proj, "o": attn.o_proj, "gate_up": mlp.gate_proj, "down": mlp.down_proj}
+def layer_groups(family: Family, layer: Any, inputs: LayerInputs) -> tuple[list[ScaleGroup], list[Any]]:
+    """The scale groups of a decoder layer, from its family's smoothing mapping
+    (:mod:`pipeline.core.families`), with their inputs, and the layer's fp32 outputs. A group is
+    scored on its block (the attention, called with the layer's arguments; the MLP; or its one
+    linear); a "v" group (v -> o) folds into v only where v's output channels are o's input
+    channels, that is without GQA (llm-awq's condition); otherwise o is only clipped."""
+    probes = {g.name: layer.get_submodule(g.consumers[0]) for g in family.smoothing}
     feats: dict[str, list[Any]] = {name: [] for name in probes}
     with input_hooks(probes, lambda name, x: feats[name].append(x)):
         outputs = run_layer(layer, inputs)
-    kwargs = inputs.kwargs
-    # v's output channels are o's input channels only without GQA (llm-awq's condition).
-    v_feeds_o = attn.v_proj.weight.shape == attn.o_proj.weight.shape
-    qkv = {f"self_attn.{n}": getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")}
-    gate_up = {"mlp.gate_proj": mlp.gate_proj, "mlp.up_proj": mlp.up_proj}
-    groups = [
-        ScaleGroup("qkv", layer.input_layernorm, qkv, [], feats["qkv"], lambda x, b: attn(x, **kwargs[b])[0]),
-        ScaleGroup(
-            "o",
-            attn.v_proj if v_feeds_o else None,
-            {"self_attn.o_proj": attn.o_proj},
-            [],
-            feats["o"],
-            None,
-        ),
-        ScaleGroup(
-            "gate_up", layer.post_attention_layernorm, gate_up, [], feats["gate_up"], lambda x, _b: mlp(x)
-        ),
-        ScaleGroup(
-            "down",
-            mlp.up_proj,
-            {"mlp.down_proj": mlp.down_proj},
-            [],
-            feats["down"],
-            lambda x, _b: mlp.down_proj(x),
-        ),
-    ]
+    groups = []
+    for g in family.smoothing:
+        prev = layer.get_submodule(g.producer)
+        linears = {name: layer.get_submodule(name) for name in g.consumers}
+        if g.kind == "v" and prev.weight.shape != linears[g.consumers[0]].weight.shape:
+            prev = None
+        score = _scorer(family, layer, g, inputs)
+        groups.append(ScaleGroup(g.name, prev, linears, [], feats[g.name], score))
     return groups, outputs
+
+
+def _scorer(
+    family: Family, layer: Any, group: Smoothing, inputs: LayerInputs
+) -> Callable[[Any, int], Any] | None:
+    """What scores a scale of ``group``: its block's output for an input batch (and its index)."""
+    if group.scored_by is None:
+        return None
+    block = layer.get_submodule(group.scored_by)
+    if group.scored_by == family.attention:  # the attention takes the layer's position arguments
+        kwargs = inputs.kwargs
+        return lambda x, b: block(x, **kwargs[b])[0]
+    return lambda x, _b: block(x)
 
 
 class AwqPass(TorchInt4Pass):
@@ -421,7 +418,7 @@ class AwqPass(TorchInt4Pass):
     def quantize_block(
         self, prefix: str, layer: Any, inputs: LayerInputs, wanted: set[str]
     ) -> dict[str, QuantizedLinear]:
-        groups, outputs = layer_groups(layer, inputs)
+        groups, outputs = layer_groups(self.family, layer, inputs)
         for group in groups:
             group.quantized = [n for n in group.linears if prefix + n in wanted]
         results = self._scale_clip_quantize(prefix, groups, self._search_batches(len(inputs.hidden)))
@@ -441,7 +438,9 @@ class AwqPass(TorchInt4Pass):
         for group in groups:
             for x in group.inputs:
                 check_finite(x, "input activations", prefix + next(iter(group.linears)), dataset)
-        clipped = {n for g in groups for n in g.quantized if cfg.clip and not n.endswith(NO_CLIP)}
+        # q and k are not clipped: their error is amplified by the attention scores (llm-awq)
+        no_clip = (self.family.q, self.family.k)
+        clipped = {n for g in groups for n in g.quantized if cfg.clip and not n.endswith(no_clip)}
         for group in groups:
             searched = bool(group.quantized) and group.prev is not None
             scored = searched and (group.block is None or cfg.objective == Objective.linear)

@@ -53,6 +53,7 @@ from pipeline.core.artifacts import Artifact, Kind, write_metadata
 from pipeline.core.base import Pass
 from pipeline.core.distributed import Group
 from pipeline.core.errors import CalibrationError, ConfigError, PassError
+from pipeline.core.families import LLAMA, Family, family_of
 from pipeline.core.files import read_json
 from pipeline.core.planned_model import PlannedModel
 from pipeline.core.torch_model import LM_HEAD, linear_layers
@@ -194,6 +195,7 @@ class TorchInt4Pass(CalibratesInRanks, Pass):
     drift = "bits4"
     group: Group = Group()  # the ranks sharing the calibration windows (set by run_rank)
     forward_time: ForwardTime = ForwardTime()  # this rank's calibration forwards (reset by run_rank)
+    family: Family = LLAMA  # the checkpoint's (pipeline.core.families; set by run_rank)
 
     def targets(self, model: Any, folder: Path) -> list[str]:
         """The quantized layers' names, after the exclude (and fallback) and group-size checks."""
@@ -234,11 +236,13 @@ class TorchInt4Pass(CalibratesInRanks, Pass):
         as :meth:`run`, on a model held whole (tests compare the two)."""
         wanted = set(targets)
         results: dict[str, QuantizedLinear] = {}
+        family = self.family = family_of(model.config)
         inputs = first_layer_inputs(model, windows, CALIBRATION_BATCH)
-        for index, layer in enumerate(model.model.layers):
-            results.update(self.quantize_block(f"model.layers.{index}.", layer, inputs, wanted))
+        for index, layer in enumerate(model.get_submodule(family.layers)):
+            results.update(self.quantize_block(f"{family.layer(index)}.", layer, inputs, wanted))
         if LM_HEAD in wanted:
-            results.update(self.quantize_head(model.model.norm, model.lm_head, inputs.hidden))
+            norm, head = model.get_submodule(family.final_norm), model.get_submodule(family.head)
+            results.update(self.quantize_head(norm, head, inputs.hidden))
         return results
 
     def run_rank(self, source: Artifact, out_dir: Path, group: Group) -> dict[str, Any]:
@@ -258,6 +262,7 @@ class TorchInt4Pass(CalibratesInRanks, Pass):
         self.group = group
         self.forward_time = ForwardTime()
         checkpoint = StreamedCheckpoint(source.path, self.placement)
+        self.family = family_of(checkpoint.config)
         windows = token_windows(load_tokenizer(source.path), self.config.calibration)
         mine = shard(windows, group.rank, group.world, CALIBRATION_BATCH)
         targets = self.targets(checkpoint.model, source.path)

@@ -65,6 +65,7 @@ from pipeline.core.base import Pass
 from pipeline.core.config import MAX_BATCH, check_number
 from pipeline.core.distributed import Group
 from pipeline.core.errors import CalibrationError, PassError
+from pipeline.core.families import Family, family_of, head_dim
 from pipeline.core.files import read_json
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 from pipeline.core.planned_model import PlannedModel
@@ -210,28 +211,27 @@ class SmoothGroup:
     consumers: list[str]
 
 
-def layer_groups(index: int, smooth_o_proj: bool, smooth_down_proj: bool) -> list[SmoothGroup]:
-    """The smoothing groups of decoder layer ``index`` (each group lies inside one layer)."""
-    p = f"model.layers.{index}"
-    attn, mlp = f"{p}.self_attn", f"{p}.mlp"
-    groups = [SmoothGroup(f"{p}.qkv", "norm", f"{p}.input_layernorm", [f"{attn}.{x}_proj" for x in "qkv"])]
-    if smooth_o_proj:
-        groups.append(SmoothGroup(f"{p}.o", "v", f"{attn}.v_proj", [f"{attn}.o_proj"]))
-    groups.append(
-        SmoothGroup(
-            f"{p}.gate_up", "norm", f"{p}.post_attention_layernorm", [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
-        )
-    )
-    if smooth_down_proj:
-        groups.append(SmoothGroup(f"{p}.down", "up", f"{mlp}.up_proj", [f"{mlp}.down_proj"]))
-    return groups
+def layer_groups(
+    family: Family, index: int, smooth_o_proj: bool, smooth_down_proj: bool
+) -> list[SmoothGroup]:
+    """The smoothing groups of decoder layer ``index`` (each group lies inside one layer), from
+    the family's mapping (:mod:`pipeline.core.families`): ``smooth_o_proj`` keeps its "v" group
+    (v -> o), ``smooth_down_proj`` its "up" group (up -> down)."""
+    p = family.layer(index)
+    kept = {"norm": True, "v": smooth_o_proj, "up": smooth_down_proj}
+    return [
+        SmoothGroup(f"{p}.{g.name}", g.kind, f"{p}.{g.producer}", [f"{p}.{c}" for c in g.consumers])
+        for g in family.smoothing
+        if kept[g.kind]
+    ]
 
 
 def smoothing_groups(model: Any, smooth_o_proj: bool, smooth_down_proj: bool) -> list[SmoothGroup]:
+    family = family_of(model.config)
     return [
         group
-        for index in range(len(model.model.layers))
-        for group in layer_groups(index, smooth_o_proj, smooth_down_proj)
+        for index in range(len(model.get_submodule(family.layers)))
+        for group in layer_groups(family, index, smooth_o_proj, smooth_down_proj)
     ]
 
 
@@ -279,7 +279,7 @@ def smooth_modules(
     import torch
 
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    width = head_dim(hf.to_dict())
     divided: dict[str, Any] = {}
     done: list[str] = []
     with torch.no_grad():
@@ -291,11 +291,11 @@ def smooth_modules(
             act = stats[group.consumers[0]]
             alpha = (alphas or {}).get(group.name, config.alpha)
             if group.kind == "v":  # one scale per KV channel, shared by its query heads
-                w_max = torch.stack([_kv_shared(w.abs().amax(dim=0), kv_heads, head_dim) for w in weights])
+                w_max = torch.stack([_kv_shared(w.abs().amax(dim=0), kv_heads, width) for w in weights])
                 w_max = w_max.amax(dim=0).clamp(min=MIN_SCALE)
-                a = _kv_shared(act, kv_heads, head_dim).clamp(min=MIN_SCALE)
+                a = _kv_shared(act, kv_heads, width).clamp(min=MIN_SCALE)
                 s_kv = (a.pow(alpha) / w_max.pow(1.0 - alpha)).clamp(min=MIN_SCALE)
-                scale = _kv_expand(s_kv, heads, kv_heads, head_dim)
+                scale = _kv_expand(s_kv, heads, kv_heads, width)
                 producer_scale = s_kv
             else:
                 scale = smoothing_scales(act, weights, alpha)
@@ -425,6 +425,7 @@ def smooth_streamed(
 
     fp32 = ResolvedPlacement(placement.device, "float32")
     master = StreamedCheckpoint(source, fp32)  # the weights that are smoothed and written
+    family = family_of(master.config)
     lowered = placement.dtype != torch.float32
     compute = StreamedCheckpoint(source, placement) if lowered else master  # calibration forwards
     group = group or Group()
@@ -465,7 +466,7 @@ def smooth_streamed(
             if config.smooth:
                 block_divided, done = smooth_modules(
                     block_modules(layer, prefix),
-                    layer_groups(index, config.smooth_o_proj, config.smooth_down_proj),
+                    layer_groups(family, index, config.smooth_o_proj, config.smooth_down_proj),
                     block_stats,
                     config,
                     master.config,
@@ -520,11 +521,7 @@ class SmoothQuantPass(CalibratesInRanks, Pass):
     memory_profile = "block"
 
     def check_model(self, facts: PlannedModel) -> PlannedModel:
-        model_type = facts.config.get("model_type")
-        if model_type != "llama":
-            raise PassError(
-                f"smoothquant: model_type is {model_type!r}; quant=int8 smooths Llama models only"
-            )
+        family_of(facts.config)  # a family whose smoothing mapping is known (pipeline.core.families)
         check_patterns(facts.linears, self.config.exclude)
         check_context(self.config.calibration, facts, f"{self.config_group or 'quant'}.calibration")
         check_patterns(facts.linears, self.config.weight_only, "quant.weight_only")

@@ -142,9 +142,12 @@ def supported() -> str:
     return ", ".join(f"{f.model_type.capitalize()} ({', '.join(f.architectures)})" for f in FAMILIES.values())
 
 
-def family_of(config: Mapping[str, Any], where: str = "config.json") -> Family:
-    """The family of a checkpoint's ``config.json``; one line naming the supported ones if none."""
-    model_type = config.get("model_type")
+def family_of(config: Any, where: str = "config.json") -> Family:
+    """The family of a checkpoint's ``config.json`` (a mapping, or transformers' config object);
+    one line naming the supported ones if none."""
+    model_type = (
+        config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
+    )
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise SourceError(

@@ -23,6 +23,7 @@ from passes.formats.int4 import INT4_DIR, load_params, quantize_rtn
 from passes.int4 import EXTRAS_DIR, first_layer_inputs
 from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.errors import ConfigError
+from pipeline.core.families import LLAMA
 from pipeline.core.torch_model import load_causal_lm, load_tokenizer, untie_lm_head
 from tests.conftest import make_tiny_llama, run_pass
 
@@ -57,7 +58,7 @@ def test_folding_scales_keeps_the_fp32_function(tiny_llama: Path, gqa_free_llama
         inputs = first_layer_inputs(model, windows, 2)
         folded = 0
         for layer in model.model.layers:
-            groups, inputs.hidden = layer_groups(layer, inputs)
+            groups, inputs.hidden = layer_groups(LLAMA, layer, inputs)
             for group in groups:
                 if group.prev is None:
                     continue
