@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.families import family_of
+
 # Weight elements quantized at once (chunks of rows) by the Fisher estimate and the KL probe:
 # 64 MiB in float32.
 FISHER_CHUNK_ELEMENTS = 1 << 24
@@ -78,7 +80,8 @@ class SensitivityProbe:
         self.windows = windows
         self.batch_size = batch_size
         self.device = model.get_input_embeddings().weight.device  # where the model computes
-        self.blocks = list(model.model.layers)
+        self.family = family_of(model.config)
+        self.blocks = list(model.get_submodule(self.family.layers))
         self.linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         self.input_absmax: dict[str, float] = {}
         self._inputs: list[list[tuple[Any, dict[str, Any]]]] = [[] for _ in self.blocks]
@@ -106,7 +109,9 @@ class SensitivityProbe:
         ]
         handles += [m.register_forward_pre_hook(linear_hook(n)) for n, m in self.linears.items()]
         handles.append(
-            model.model.norm.register_forward_pre_hook(lambda _m, a: self._final.append(a[0].detach()))
+            model.get_submodule(self.family.final_norm).register_forward_pre_hook(
+                lambda _m, a: self._final.append(a[0].detach())
+            )
         )
         try:
             with torch.inference_mode():
@@ -153,7 +158,8 @@ class SensitivityProbe:
             total = 0.0
             with self._quantized(by_block.get(len(self.blocks), {})):
                 for batch, reference in enumerate(self._reference):
-                    logits = self.model.lm_head(self.model.model.norm(hidden[batch]))
+                    norm = self.model.get_submodule(self.family.final_norm)
+                    logits = self.model.get_submodule(self.family.head)(norm(hidden[batch]))
                     candidate = torch.log_softmax(logits.float(), dim=-1)
                     total += float((reference.exp() * (reference - candidate)).double().sum())
         return max(total / self.tokens, 0.0)  # KL >= 0; float32 rounding can dip below

@@ -40,14 +40,12 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.errors import SourceError
+from pipeline.core.families import family_of
 from pipeline.core.files import loads_bounded
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-EMBEDDINGS = "model.embed_tokens"
-FINAL_NORM = "model.norm"
-LM_HEAD = "lm_head"
 SHARD_METADATA = {"format": "pt"}  # what transformers' save_pretrained writes
 
 
@@ -100,7 +98,7 @@ def capture_first_block_inputs(
     the final norm and the head may stay on ``meta``."""
     import torch
 
-    layers = model.model.layers
+    layers = model.get_submodule(family_of(model.config).layers)
     original = layers[0]
     captured = LayerInputs([], [])
 
@@ -172,21 +170,22 @@ class StreamedCheckpoint:
                 f"cannot read the config of {self.folder} ({' '.join(str(exc).split())[:300]}): "
                 "re-save or re-download the checkpoint"
             ) from None
+        self.family = family_of(self.config, f"{self.folder}/config.json")  # its module paths
         self.files = weight_files(self.folder)
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(self.config, trust_remote_code=False).eval()
         # The checkpoint ties the head to the embedding when it stores no head of its own.
-        self.tied = f"{LM_HEAD}.weight" not in self.files and bool(
+        self.tied = f"{self.family.head}.weight" not in self.files and bool(
             getattr(self.config, "tie_word_embeddings", False)
         )
         self._rotary_on_device()
 
     @property
     def num_layers(self) -> int:
-        return len(self.model.model.layers)
+        return len(self.model.get_submodule(self.family.layers))
 
     def layer_prefix(self, index: int) -> str:
-        return f"model.layers.{index}"
+        return self.family.layer(index)
 
     def module(self, prefix: str) -> Any:
         return self.model.get_submodule(prefix)
@@ -195,8 +194,8 @@ class StreamedCheckpoint:
         """The checkpoint key of the skeleton's tensor ``name`` (a tied head reads the embedding)."""
         if name in self.files:
             return name
-        if name == f"{LM_HEAD}.weight" and self.tied:
-            return f"{EMBEDDINGS}.weight"
+        if name == f"{self.family.head}.weight" and self.tied:
+            return f"{self.family.embeddings}.weight"
         raise SourceError(f"{self.folder}: the checkpoint has no tensor {name}: re-save or re-download it")
 
     def read(self, names: Iterable[str]) -> dict[str, Any]:
@@ -245,13 +244,14 @@ class StreamedCheckpoint:
         weights plus one module: ``from_pretrained`` keeps the checkpoint's pages mapped beside
         the converted weights (a 1.17B bf16 checkpoint loaded in fp32: 6.93 GiB peak for
         4.36 GiB of weights). A tied head shares the embedding, as ``from_pretrained`` ties it."""
-        prefixes = [EMBEDDINGS, *map(self.layer_prefix, range(self.num_layers)), FINAL_NORM]
+        family = self.family
+        prefixes = [family.embeddings, *map(self.layer_prefix, range(self.num_layers)), family.final_norm]
         for prefix in prefixes:
             self.materialize(prefix)
         if self.output_tied:
-            self.model.lm_head.weight = self.model.model.embed_tokens.weight
+            self.module(family.head).weight = self.module(family.embeddings).weight
         else:
-            self.materialize(LM_HEAD)
+            self.materialize(family.head)
         left = [name for name, tensor in self.model.state_dict(keep_vars=True).items() if tensor.is_meta]
         if left:
             raise SourceError(
@@ -283,11 +283,11 @@ class StreamedCheckpoint:
     def first_block_inputs(self, windows: np.ndarray, batch_size: int) -> LayerInputs:
         """The first decoder block's inputs on ``windows``: the embeddings are materialized for
         the capture and released after it."""
-        self.materialize(EMBEDDINGS)
+        self.materialize(self.family.embeddings)
         try:
             return capture_first_block_inputs(self.model, windows, batch_size, self.placement.torch_device)
         finally:
-            self.release(EMBEDDINGS)
+            self.release(self.family.embeddings)
 
     def output_tensors(
         self, prefix: str, overrides: dict[str, Any] | None = None, dtype: Any = None
@@ -333,12 +333,13 @@ class StreamedCheckpoint:
         """Rebuild the (weightless) rotary embedding on the device: its buffers are computed."""
         import torch
 
-        inner = self.model.model
-        rotary = getattr(inner, "rotary_emb", None)
+        parent, _, name = self.family.rotary.rpartition(".")
+        inner = self.model.get_submodule(parent)
+        rotary = getattr(inner, name, None)
         if rotary is not None:
             with torch.device("cpu"):
                 fresh = type(rotary)(config=self.config)
-            inner.rotary_emb = fresh.to(self.placement.torch_device)
+            setattr(inner, name, fresh.to(self.placement.torch_device))
 
 
 class CheckpointWriter:

@@ -131,7 +131,7 @@ def validate_settings(config: Any, where: str = "quant") -> None:
 
 def first_layer_inputs(model: Any, windows: np.ndarray, batch_size: int) -> LayerInputs:
     """The first decoder layer's inputs of an in-memory ``model`` on ``windows`` (on its device)."""
-    device = next(model.model.embed_tokens.parameters()).device
+    device = model.get_input_embeddings().weight.device
     return capture_first_block_inputs(model, windows, batch_size, device)
 
 
@@ -256,13 +256,13 @@ class TorchInt4Pass(CalibratesInRanks, Pass):
         from tqdm.auto import tqdm
 
         from calibration.datasets import token_windows
-        from calibration.streaming import EMBEDDINGS, FINAL_NORM, CheckpointWriter, StreamedCheckpoint
+        from calibration.streaming import CheckpointWriter, StreamedCheckpoint
         from pipeline.core.torch_model import copy_beside_weights, load_tokenizer
 
         self.group = group
         self.forward_time = ForwardTime()
         checkpoint = StreamedCheckpoint(source.path, self.placement)
-        self.family = family_of(checkpoint.config)
+        family = self.family = checkpoint.family
         windows = token_windows(load_tokenizer(source.path), self.config.calibration)
         mine = shard(windows, group.rank, group.world, CALIBRATION_BATCH)
         targets = self.targets(checkpoint.model, source.path)
@@ -288,20 +288,20 @@ class TorchInt4Pass(CalibratesInRanks, Pass):
         with torch.no_grad():
             inputs = checkpoint.first_block_inputs(mine, CALIBRATION_BATCH)
             if writer:
-                writer.write(self._unchanged(checkpoint, EMBEDDINGS))  # no INT4 pass changes it
+                writer.write(self._unchanged(checkpoint, family.embeddings))  # no INT4 pass changes it
             layers = range(checkpoint.num_layers)
             for index in tqdm(layers, desc=self.name, unit="layer", disable=not group.main):
                 prefix = checkpoint.layer_prefix(index)
                 layer = checkpoint.materialize(prefix)
                 finish(prefix, self.quantize_block(prefix + ".", layer, inputs, wanted))
-            norm = checkpoint.materialize(FINAL_NORM)
+            norm = checkpoint.materialize(family.final_norm)
             if LM_HEAD in wanted:
                 head = checkpoint.materialize(LM_HEAD)
                 results = self.quantize_head(norm, head, inputs.hidden)
                 finish(LM_HEAD, results)
             elif writer and not checkpoint.output_tied:
                 writer.write(self._unchanged(checkpoint, LM_HEAD))
-            finish(FINAL_NORM, {})
+            finish(family.final_norm, {})
         seconds = time.perf_counter() - started
         if writer is None:
             return {}

@@ -421,11 +421,11 @@ def smooth_streamed(
     import torch
     from tqdm.auto import tqdm
 
-    from calibration.streaming import EMBEDDINGS, FINAL_NORM, LM_HEAD, CheckpointWriter, StreamedCheckpoint
+    from calibration.streaming import CheckpointWriter, StreamedCheckpoint
 
     fp32 = ResolvedPlacement(placement.device, "float32")
     master = StreamedCheckpoint(source, fp32)  # the weights that are smoothed and written
-    family = family_of(master.config)
+    family = master.family
     lowered = placement.dtype != torch.float32
     compute = StreamedCheckpoint(source, placement) if lowered else master  # calibration forwards
     group = group or Group()
@@ -433,9 +433,9 @@ def smooth_streamed(
     forward_time = ForwardTime()
 
     # Embeddings, final norm, head: unchanged (SmoothQuant leaves them), written as read.
-    rest = [*master.tensor_names(EMBEDDINGS), *master.tensor_names(FINAL_NORM)]
+    rest = [*master.tensor_names(family.embeddings), *master.tensor_names(family.final_norm)]
     if not master.output_tied:
-        rest += master.tensor_names(LM_HEAD)
+        rest += master.tensor_names(family.head)
     if writer:
         writer.write({n: t.float().contiguous() for n, t in master.read(rest).items()})
 
@@ -479,21 +479,21 @@ def smooth_streamed(
             master.release(prefix)  # hands the freed memory back to the OS (pipeline/core/allocator.py)
 
         # lm_head reads the final norm of the last hidden state: no [batch, seq, vocab] logits.
-        norm = compute.materialize(FINAL_NORM)
+        norm = compute.materialize(family.final_norm)
         head_stats = None
         for h in hidden:
             x = norm(h)
             current = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
             head_stats = current if head_stats is None else torch.maximum(head_stats, current)
         del hidden
-        stats[LM_HEAD] = group.max(head_stats)
-        check_finite_stats({LM_HEAD: head_stats})
+        stats[family.head] = group.max(head_stats)
+        check_finite_stats({family.head: head_stats})
         if lowered:
-            compute.release(FINAL_NORM)
-        norm, head = master.materialize(FINAL_NORM), master.materialize(LM_HEAD)
+            compute.release(family.final_norm)
+        norm, head = master.materialize(family.final_norm), master.materialize(family.head)
         reference, logits = (head(norm(h)).float() for h in (reference, smoothed))
-        master.release(FINAL_NORM)
-        master.release(LM_HEAD)
+        master.release(family.final_norm)
+        master.release(family.head)
     if writer:
         writer.finish(master.config, master.generation_config())
     tokens = int(group.sum(torch.tensor([tokens], dtype=torch.float64))[0])

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import PassError, PipelineError, first_line
+from pipeline.core.families import family_of
 from pipeline.core.subprocesses import PROJECT_ROOT, child_environment
 
 LAUNCHERS = ("inline", "accelerate")
@@ -188,7 +189,7 @@ def data_parallel(model: Any, group: Group, strategy: str) -> Any:
     if strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.model.layers:
+        for block in model.get_submodule(family_of(model.config).layers):
             fully_shard(block)
         fully_shard(model)
         return model

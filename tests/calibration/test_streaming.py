@@ -11,19 +11,15 @@ import pytest
 import torch
 
 from calibration.datasets import CalibrationConfig, token_windows
-from calibration.streaming import (
-    EMBEDDINGS,
-    FINAL_NORM,
-    INDEX_FILE,
-    LM_HEAD,
-    CheckpointWriter,
-    StreamedCheckpoint,
-)
+from calibration.streaming import INDEX_FILE, CheckpointWriter, StreamedCheckpoint
 from passes.int4 import first_layer_inputs, run_layer
 from pipeline.core.errors import SourceError
+from pipeline.core.families import LLAMA
 from pipeline.core.placement import ResolvedPlacement
 from pipeline.core.torch_model import copy_beside_weights, load_causal_lm, load_tokenizer
 from tests.conftest import make_tiny_llama
+
+EMBEDDINGS, FINAL_NORM, LM_HEAD = LLAMA.embeddings, LLAMA.final_norm, LLAMA.head
 
 
 @pytest.fixture(scope="module")
