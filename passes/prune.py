@@ -48,6 +48,7 @@ from pipeline.core.artifacts import Artifact, Kind, write_metadata
 from pipeline.core.base import Pass
 from pipeline.core.config import MAX_BATCH, register_pass
 from pipeline.core.errors import PassError
+from pipeline.core.families import LLAMA, Family, family_of, head_dim
 from pipeline.core.files import read_json
 from pipeline.core.planned_model import PlannedModel
 
@@ -106,7 +107,7 @@ class Shape:
             intermediate=int(config["intermediate_size"]),
             heads=heads,
             kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            head_dim=head_dim(config),
             layers=int(config["num_hidden_layers"]),
         )
 
@@ -161,7 +162,8 @@ def measure_importance(model: Any, windows: np.ndarray, batch_size: int, shape: 
     """Scores from forwards of ``model`` on its device in its dtype, accumulated there in float64."""
     import torch
 
-    layers = model.model.layers
+    family = family_of(model.config)
+    layers = model.get_submodule(family.layers)
     device = _device(model)
     mlp = torch.zeros(shape.layers, shape.intermediate, dtype=torch.float64, device=device)
     heads = torch.zeros(shape.layers, shape.heads, dtype=torch.float64, device=device)
@@ -195,13 +197,14 @@ def measure_importance(model: Any, windows: np.ndarray, batch_size: int, shape: 
 
         return hook
 
+    down, o_proj = family.mlp_projections[-1], family.attention_projections[-1]
     for index, layer in enumerate(layers):
-        hooks.append(layer.mlp.down_proj.register_forward_pre_hook(on_down(index)))
-        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(on_o_proj(index)))
-        hooks.append(layer.input_layernorm.register_forward_hook(on_norm))
-        hooks.append(layer.post_attention_layernorm.register_forward_hook(on_norm))
+        hooks.append(layer.get_submodule(down).register_forward_pre_hook(on_down(index)))
+        hooks.append(layer.get_submodule(o_proj).register_forward_pre_hook(on_o_proj(index)))
+        for norm in family.norms:
+            hooks.append(layer.get_submodule(norm).register_forward_hook(on_norm))
         hooks.append(layer.register_forward_hook(on_layer(index), with_kwargs=True))
-    hooks.append(model.model.norm.register_forward_hook(on_norm))
+    hooks.append(model.get_submodule(family.final_norm).register_forward_hook(on_norm))
     try:
         with torch.inference_mode():
             for start in range(0, len(windows), batch_size):
@@ -250,10 +253,16 @@ def checkpoint_state(folder: Path) -> dict[str, Any]:
 
 
 def pruned_state(
-    state: dict[str, Any], tied: bool, importance: Importance, shape: Shape, target: Shape
+    state: dict[str, Any],
+    tied: bool,
+    importance: Importance,
+    shape: Shape,
+    target: Shape,
+    family: Family = LLAMA,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The pruned model's state dict (sliced from ``state``, the checkpoint's tensors; ``tied``:
-    the model ties lm_head to the embedding) and what was kept (indices, for the record)."""
+    """The pruned model's state dict (sliced from ``state``, the checkpoint's tensors, named as
+    ``family`` names them; ``tied``: the model ties lm_head to the embedding) and what was kept
+    (indices, for the record)."""
     import torch
 
     hidden = torch.from_numpy(top(importance.hidden, target.hidden))
@@ -266,13 +275,18 @@ def pruned_state(
     def cols(t: Any, index: Any) -> Any:
         return t.index_select(1, index).contiguous()
 
-    out["model.embed_tokens.weight"] = cols(state["model.embed_tokens.weight"], hidden)
-    out["model.norm.weight"] = rows(state["model.norm.weight"], hidden)
-    if "lm_head.weight" in state and not tied:
-        out["lm_head.weight"] = cols(state["lm_head.weight"], hidden)
+    embeddings, final_norm, head = (
+        f"{name}.weight" for name in (family.embeddings, family.final_norm, family.head)
+    )
+    q, k, v, o = family.attention_projections
+    gate, up, down = family.mlp_projections
+    out[embeddings] = cols(state[embeddings], hidden)
+    out[final_norm] = rows(state[final_norm], hidden)
+    if head in state and not tied:
+        out[head] = cols(state[head], hidden)
     record: dict[str, Any] = {"layers": layers, "mlp_channels": {}, "heads": {}}
     for new, old in enumerate(layers):
-        src, dst = f"model.layers.{old}.", f"model.layers.{new}."
+        src, dst = f"{family.layer(old)}.", f"{family.layer(new)}."
         channels = torch.from_numpy(top(importance.mlp[old], target.intermediate))
         head_index = kept_heads(importance.heads[old], shape, target)
         q_rows = torch.from_numpy(
@@ -280,21 +294,17 @@ def pruned_state(
         )
         record["mlp_channels"][new] = len(channels)
         record["heads"][new] = [int(h) for h in head_index]
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in family.norms:
             out[f"{dst}{norm}.weight"] = rows(state[f"{src}{norm}.weight"], hidden)
-        out[f"{dst}self_attn.q_proj.weight"] = cols(
-            rows(state[f"{src}self_attn.q_proj.weight"], q_rows), hidden
-        )
-        for kv in ("k_proj", "v_proj"):
-            out[f"{dst}self_attn.{kv}.weight"] = cols(state[f"{src}self_attn.{kv}.weight"], hidden)
-        out[f"{dst}self_attn.o_proj.weight"] = rows(
-            cols(state[f"{src}self_attn.o_proj.weight"], q_rows), hidden
-        )
-        for proj in ("gate_proj", "up_proj"):
-            out[f"{dst}mlp.{proj}.weight"] = cols(rows(state[f"{src}mlp.{proj}.weight"], channels), hidden)
-        out[f"{dst}mlp.down_proj.weight"] = rows(cols(state[f"{src}mlp.down_proj.weight"], channels), hidden)
-        for bias in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if f"{src}self_attn.{bias}.bias" in state:
+        out[f"{dst}{q}.weight"] = cols(rows(state[f"{src}{q}.weight"], q_rows), hidden)
+        for kv in (k, v):
+            out[f"{dst}{kv}.weight"] = cols(state[f"{src}{kv}.weight"], hidden)
+        out[f"{dst}{o}.weight"] = rows(cols(state[f"{src}{o}.weight"], q_rows), hidden)
+        for proj in (gate, up):
+            out[f"{dst}{proj}.weight"] = cols(rows(state[f"{src}{proj}.weight"], channels), hidden)
+        out[f"{dst}{down}.weight"] = rows(cols(state[f"{src}{down}.weight"], channels), hidden)
+        for bias in family.attention_projections:
+            if f"{src}{bias}.bias" in state:
                 raise PassError(
                     "prune: attention biases are not supported (a Llama without them is expected)"
                 )
@@ -363,8 +373,9 @@ class PrunePass(CalibratesOnWindows, Pass):
 
     def check_model(self, facts: PlannedModel) -> PlannedModel:
         hf = dict(facts.config)
-        if hf.get("model_type") != "llama":
-            raise PassError(f"prune: model_type is {hf.get('model_type')!r}; prune handles Llama models only")
+        family = family_of(hf)
+        if family.fixed_biases or family.qk_norms:
+            raise PassError(f"prune: {family.model_type}'s attention biases and q/k norms are not sliced yet")
         check_context(self.config.calibration, facts, f"{self.config_group or 'prune'}.calibration")
         target = target_shape(Shape.of(hf), self.config)
         # Which layers the ranking keeps is known only once it ran; the facts need only how many.
@@ -372,7 +383,7 @@ class PrunePass(CalibratesOnWindows, Pass):
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         from calibration.streaming import StreamedCheckpoint
         from pipeline.core.torch_model import copy_beside_weights, load_tokenizer
@@ -391,15 +402,19 @@ class PrunePass(CalibratesOnWindows, Pass):
             len(windows), config.calibration.seq_len, asdict(shape), asdict(target),
         )  # fmt: skip
         importance = measure_importance(model, windows, config.batch_size, shape)
+        family = family_of(hf)
         state, kept_record = pruned_state(
-            checkpoint_state(source.path), model.config.tie_word_embeddings, importance, shape, target
+            checkpoint_state(source.path), model.config.tie_word_embeddings, importance, shape, target, family
         )
         pruned_hf = pruned_config(hf, target, kept_record["layers"])
-        student = LlamaForCausalLM(
-            LlamaConfig(**{k: v for k, v in pruned_hf.items() if k != "architectures"})
+        settings = {k: v for k, v in pruned_hf.items() if k not in ("architectures", "model_type")}
+        # float32 whatever the checkpoint's dtype: the sliced weights load exact, as LlamaForCausalLM(config)
+        student = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(family.model_type, **settings), dtype=torch.float32
         )
         missing, unexpected = student.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not (m == "lm_head.weight" and student.config.tie_word_embeddings)]
+        head = f"{family.head}.weight"
+        missing = [m for m in missing if not (m == head and student.config.tie_word_embeddings)]
         if missing or unexpected:
             raise PassError(
                 f"prune: the sliced weights do not fit the pruned config ({missing or unexpected})"
@@ -475,7 +490,8 @@ class PrunePass(CalibratesOnWindows, Pass):
             raise PassError(f"prune: the saved checkpoint has {actual}, the pass meant {after}")
         if (
             config.tie_word_embeddings
-            and model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+            and model.get_output_embeddings().weight.data_ptr()
+            != model.get_input_embeddings().weight.data_ptr()
         ):
             raise PassError("prune: the saved checkpoint's lm_head is no longer tied to its embedding")
         return {"reloaded": True}
