@@ -93,6 +93,7 @@ from pipeline.core.distributed import (
     unwrapped,
 )
 from pipeline.core.errors import PassError
+from pipeline.core.families import family_of
 from pipeline.core.files import loads_bounded, read_regular_text, regular_size
 from pipeline.core.planned_model import PlannedModel
 from pipeline.core.staging import owned_folder, remove_abandoned, unique_name
@@ -422,7 +423,7 @@ class DistillPass(Pass):
         train, holdout = self._data(load_tokenizer(source.path))
         before = holdout_quality(teacher, student, holdout)
         layer_map = (source.metadata.get("prune") or {}).get("layers_kept") or list(
-            range(len(student.model.layers))
+            range(len(student.get_submodule(family_of(student.config).layers)))
         )
 
         model = data_parallel(student, group, config.strategy)

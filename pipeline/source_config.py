@@ -197,7 +197,7 @@ Relation = Callable[[Mapping[str, Any]], "str | None"]
 
 
 @dataclass(frozen=True)
-class Family:
+class FamilyBounds:
     """What a model family's ``config.json`` may hold: each field's rule (checked in order: a rule
     may read a field before it, as token ids read ``vocab_size``), then the relations between
     fields. ``defaults``: what transformers gives the absent fields that rules and relations read."""
@@ -308,7 +308,7 @@ ROPE = Table(
 )
 ROPE_KEYS = ("rope_scaling", "rope_parameters")
 
-LLAMA = Family(
+LLAMA = FamilyBounds(
     fields={
         "vocab_size": Integer(most="tokens an engine's vocabulary holds (2^24; Llama 3: 128256)"),
         "hidden_size": Integer(high=1 << 18, most="a Llama's hidden size stays under (405B: 16384)"),
@@ -352,7 +352,7 @@ LLAMA = Family(
 )
 
 # model_type -> what its config.json may hold. Only Llama is a supported source today.
-BOUNDS: dict[str, Family] = {"llama": LLAMA}
+BOUNDS: dict[str, FamilyBounds] = {"llama": LLAMA}
 
 # generation_config.json: the export reads its eos_token_id before config.json's (passes/export.py).
 GENERATION_FIELDS: Mapping[str, Rule] = {
