@@ -410,7 +410,7 @@ class PrunePass(CalibratesOnWindows, Pass):
         settings = {k: v for k, v in pruned_hf.items() if k not in ("architectures", "model_type")}
         # float32 whatever the checkpoint's dtype: the sliced weights load exact, as LlamaForCausalLM(config)
         student = AutoModelForCausalLM.from_config(
-            AutoConfig.for_model(family.model_type, **settings), dtype=torch.float32
+            AutoConfig.for_model(family.model_type, **settings), dtype=torch.float32, trust_remote_code=False
         )
         missing, unexpected = student.load_state_dict(state, strict=False)
         head = f"{family.head}.weight"
