@@ -316,7 +316,7 @@ def test_setup_commands_are_early_and_run_by_ci_verbatim() -> None:
     assert [text for _, text in commands] == [
         "pip install -e . && python -m pipeline model=llama quant=none",
         'pip install -e ".[dev]" && ruff check . && ruff format --check . && lint-imports '
-        "&& python -m pytest -q",
+        "&& python -m pytest -q -n 2 --dist loadfile",
     ]
     ci_lines = set((REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines())  # byte for byte
     for number, text in commands:
