@@ -66,6 +66,7 @@ from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
 from pipeline.core.engine import IOSpec, graph_io
 from pipeline.core.errors import PassError
+from pipeline.core.families import head_dim
 from pipeline.core.files import copy_regular, link_root, read_json
 from pipeline.core.planned_model import PlannedModel
 from pipeline.core.progress import phases
@@ -236,7 +237,7 @@ class ExportPass(Pass):
         io = IOSpec(
             num_layers=config.num_hidden_layers,
             num_kv_heads=config.num_key_value_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            head_dim=head_dim(config.to_dict()),
             vocab_size=config.vocab_size,
         )
         wrapper = _flat_kv_decoder(model, io.num_layers)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.core.errors import SourceError
+from pipeline.core.families import head_dim
 
 ENGINE_MAX = 1 << 24  # engine.json's max_length and io.vocab_size bound (pipeline/core/engine.py)
 ENGINE_MAX_HEADS = 4096  # engine.json's io.num_kv_heads and io.head_dim bound
@@ -220,11 +221,6 @@ def _activations() -> tuple[str, ...]:
     return tuple(sorted(ACT2CLS))
 
 
-def _head_dim(config: Mapping[str, Any]) -> int:
-    """``head_dim``, or what transformers derives: ``hidden_size // num_attention_heads``."""
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
 def _ropes(config: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
     """The RoPE tables of ``config`` (``rope_scaling``, ``rope_parameters``), by key."""
     return [(key, config[key]) for key in ROPE_KEYS if isinstance(config.get(key), dict)]
@@ -239,10 +235,10 @@ def heads_divide_hidden(config: Mapping[str, Any]) -> str | None:
 
 
 def head_dim_fits(config: Mapping[str, Any]) -> str | None:
-    if config.get("head_dim") is None and _head_dim(config) > ENGINE_MAX_HEADS:
+    if config.get("head_dim") is None and head_dim(config) > ENGINE_MAX_HEADS:
         return (
             f"hidden_size={config['hidden_size']} / num_attention_heads={config['num_attention_heads']}: "
-            f"heads of {_head_dim(config)} values, more than the {ENGINE_MAX_HEADS} an engine holds"
+            f"heads of {head_dim(config)} values, more than the {ENGINE_MAX_HEADS} an engine holds"
         )
     return None
 
@@ -274,7 +270,7 @@ def longrope_factors(config: Mapping[str, Any]) -> str | None:
     """longrope's ``short_factor`` and ``long_factor``: one value a rotated pair of a head."""
     for key, rope in _ropes(config):
         factor = rope.get("partial_rotary_factor") or 1.0
-        pairs = int(_head_dim(config) * factor) // 2
+        pairs = int(head_dim(config) * factor) // 2
         for name in ("short_factor", "long_factor"):
             if rope.get(name) and len(rope[name]) != pairs:
                 return (

@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 
 from pipeline.config import ModelConfig, check_path_name
 from pipeline.core.artifacts import Artifact, Kind, sha256_file, write_json, write_metadata
+from pipeline.core.engine import TOKENIZER_JSON_MAX_BYTES
 from pipeline.core.errors import SourceError, first_line
 from pipeline.core.families import FAMILIES, supported
 from pipeline.core.files import (
@@ -84,7 +85,6 @@ JSON_KINDS = {
 # Checkpoint JSON files transformers reads besides config.json: each must be a JSON object.
 OTHER_JSON_FILES = ("generation_config.json", "special_tokens_map.json", "added_tokens.json")
 JSON_MAX_BYTES = 16 << 20  # config, tokenizer config, index: kilobytes; a bigger one is not such a file
-TOKENIZER_MAX_BYTES = 256 << 20  # tokenizer.json: megabytes for a large vocabulary
 HEADER_MAX_BYTES = 100_000_000  # the safetensors library's own limit on a header
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -601,7 +601,7 @@ def check_tokenizer_json(path: Path) -> None:
     from tokenizers import Tokenizer
 
     try:
-        data = read_regular(path, max_bytes=TOKENIZER_MAX_BYTES, what="a tokenizer.json")
+        data = read_regular(path, max_bytes=TOKENIZER_JSON_MAX_BYTES, what="a tokenizer.json")
     except OSError as exc:
         raise cannot_read(path, exc) from None
     try:

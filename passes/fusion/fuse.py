@@ -54,6 +54,7 @@ from pipeline.core.artifacts import Artifact, Kind, read_metadata, write_metadat
 from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
 from pipeline.core.errors import PassError
+from pipeline.core.families import head_dim
 from pipeline.core.files import read_json
 from pipeline.core.graph_io import (
     MODEL_FILE,
@@ -99,7 +100,7 @@ class ModelFacts:
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
+            head_dim=head_dim(config),
             max_positions=int(config.get("max_position_embeddings", 2048)),
             window=window,
             window_cache=window_cache,

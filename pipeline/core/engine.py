@@ -554,6 +554,33 @@ def check_tokenizer_ids(folder: Path, vocab_size: int) -> None:
         )
 
 
+# The tokenizer files check_tokenizer_ids reads, and the checks that passed, by those files'
+# identities (device, inode, size, modification time) and the vocabulary: a run reads an engine
+# folder several times (the gate, each Engine, the benchmark, publish), and a large tokenizer.json
+# takes a fraction of a second to parse; a file changed since is read again.
+_TOKENIZER_ID_FILES = ("special_tokens_map.json", "tokenizer_config.json", "added_tokens.json", "vocab.json")
+_TOKENIZER_ID_FILES += ("tokenizer.json",)
+_tokenizers_checked: dict[tuple[Any, ...], None] = {}
+
+
+def _check_tokenizer_ids_once(folder: Path, vocab_size: int) -> None:
+    """:func:`check_tokenizer_ids`, skipped for files already found sound at this vocabulary."""
+    identity: list[Any] = [vocab_size]
+    for name in _TOKENIZER_ID_FILES:
+        try:
+            info = os.stat(folder / name)
+            identity.append((info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns))
+        except OSError:
+            identity.append(None)
+    key = tuple(identity)
+    if key in _tokenizers_checked:
+        return
+    check_tokenizer_ids(folder, vocab_size)
+    if len(_tokenizers_checked) >= 64:
+        _tokenizers_checked.clear()
+    _tokenizers_checked[key] = None
+
+
 def _tokenizer_file(folder: Path, name: str, max_bytes: int) -> dict[str, Any] | None:
     """The JSON object of the tokenizer file ``name`` in ``folder`` (read bounded), None if absent."""
     path = folder / name
@@ -807,7 +834,7 @@ def read_engine_spec(folder: Path | str, *, graphs: bool = True, _nested: bool =
             if graph is not None:
                 check_graph_file(graph, folder, where, io.vocab_size)
     if graphs:
-        check_tokenizer_ids(folder, io.vocab_size)
+        _check_tokenizer_ids_once(folder, io.vocab_size)
     engine = EngineSpec(
         folder=folder,
         target=target,
