@@ -28,7 +28,10 @@ def shared_chain_model() -> onnx.ModelProto:
     ]
     outputs = []
     for name in ("q", "k", "v"):
-        weight = rng.integers(-127, 127, size=(16, 8), dtype=np.int8)
+        # 7-bit weights: on a CPU without VNNI (AVX2 only: AMD EPYC Zen 2/3) MLAS's u8s8 kernel
+        # sums pairs of products in int16 (vpmaddubsw), which saturates past 255 * 64 * 2; the
+        # test compares the two graphs, not that kernel's overflow (seen 2026-12-06: 0.74 apart).
+        weight = rng.integers(-63, 64, size=(16, 8), dtype=np.int8)
         inits += [
             numpy_helper.from_array(weight, f"{name}_w"),
             numpy_helper.from_array(np.full(8, 0.01, np.float32), f"{name}_s"),
