@@ -303,11 +303,13 @@ def pruned_state(
         for proj in (gate, up):
             out[f"{dst}{proj}.weight"] = cols(rows(state[f"{src}{proj}.weight"], channels), hidden)
         out[f"{dst}{down}.weight"] = rows(cols(state[f"{src}{down}.weight"], channels), hidden)
-        for bias in family.attention_projections:
-            if f"{src}{bias}.bias" in state:
-                raise PassError(
-                    "prune: attention biases are not supported (a Llama without them is expected)"
-                )
+        # A projection's bias follows its output rows (Qwen2's q/k/v; Llama's attention_bias and
+        # mlp_bias): q keeps its heads' rows, k and v all (KV heads are not pruned), o and down
+        # the kept hidden channels, gate and up the kept MLP channels.
+        kept_rows = {q: q_rows, k: None, v: None, o: hidden, gate: channels, up: channels, down: hidden}
+        for proj, index in kept_rows.items():
+            if (bias := state.get(f"{src}{proj}.bias")) is not None:
+                out[f"{dst}{proj}.bias"] = bias.clone() if index is None else rows(bias, index)
     return out, record
 
 
@@ -374,8 +376,8 @@ class PrunePass(CalibratesOnWindows, Pass):
     def check_model(self, facts: PlannedModel) -> PlannedModel:
         hf = dict(facts.config)
         family = family_of(hf)
-        if family.fixed_biases or family.qk_norms:
-            raise PassError(f"prune: {family.model_type}'s attention biases and q/k norms are not sliced yet")
+        if family.qk_norms:
+            raise PassError(f"prune: {family.model_type}'s q/k norms are not sliced yet")
         check_context(self.config.calibration, facts, f"{self.config_group or 'prune'}.calibration")
         target = target_shape(Shape.of(hf), self.config)
         # Which layers the ranking keeps is known only once it ran; the facts need only how many.

@@ -206,6 +206,8 @@ class FamilyBounds:
     fields: Mapping[str, Rule]
     relations: tuple[Relation, ...]
     defaults: Mapping[str, Any]
+    # Features of the family's config this build does not implement: each message says the fix.
+    refused: tuple[Relation, ...] = ()
 
 
 def vocabulary(config: Mapping[str, Any]) -> int:
@@ -304,51 +306,89 @@ ROPE = Table(
 )
 ROPE_KEYS = ("rope_scaling", "rope_parameters")
 
+# The fields every family of a Llama block reads (transformers' LlamaConfig, Qwen2Config, ...).
+COMMON_FIELDS: Mapping[str, Rule] = {
+    "vocab_size": Integer(most="tokens an engine's vocabulary holds (2^24; Llama 3: 128256)"),
+    "hidden_size": Integer(high=1 << 18, most="a Llama's hidden size stays under (405B: 16384)"),
+    "intermediate_size": Integer(high=1 << 20, most="a Llama's MLP width stays under (405B: 53248)"),
+    "num_hidden_layers": Integer(high=MAX_LAYERS, most="a Llama has (405B: 126)"),
+    "num_attention_heads": Integer(high=ENGINE_MAX_HEADS, most="heads an engine holds (405B: 128)"),
+    "num_key_value_heads": Integer(
+        high=ENGINE_MAX_HEADS, most="KV heads an engine holds (405B: 8)", nullable=True
+    ),
+    "head_dim": Integer(high=ENGINE_MAX_HEADS, most="values a head holds in an engine", nullable=True),
+    "max_position_embeddings": Integer(
+        most="positions an engine holds (its max_length bound, 2^24; Llama 3.1: 131072)"
+    ),
+    "bos_token_id": TokenId(),
+    "eos_token_id": TokenId(many=True),
+    "pad_token_id": TokenId(),
+    "rms_norm_eps": Number(low=0, high=1),
+    "rope_theta": Number(low=0),
+    "rope_scaling": ROPE,
+    "rope_parameters": ROPE,
+    "hidden_act": Choice(_activations, "an activation transformers knows", hint="Llama's: silu"),
+    "tie_word_embeddings": Flag(),
+    "use_cache": Flag(),
+    "attention_dropout": Number(low=0, high=1, closed_low=True, closed_high=True, nullable=True),
+    "initializer_range": Number(low=0, high=1, closed_low=True, closed_high=True),
+    "torch_dtype": Choice(DTYPES, "a floating-point dtype", prefix="torch.", nullable=True),
+    "dtype": Choice(DTYPES, "a floating-point dtype", prefix="torch.", nullable=True),
+}
+COMMON_RELATIONS: tuple[Relation, ...] = (
+    heads_divide_hidden,
+    head_dim_fits,
+    kv_heads_divide_heads,
+    llama3_frequencies,
+    longrope_factors,
+)
+
 LLAMA = FamilyBounds(
     fields={
-        "vocab_size": Integer(most="tokens an engine's vocabulary holds (2^24; Llama 3: 128256)"),
-        "hidden_size": Integer(high=1 << 18, most="a Llama's hidden size stays under (405B: 16384)"),
-        "intermediate_size": Integer(high=1 << 20, most="a Llama's MLP width stays under (405B: 53248)"),
-        "num_hidden_layers": Integer(high=MAX_LAYERS, most="a Llama has (405B: 126)"),
-        "num_attention_heads": Integer(high=ENGINE_MAX_HEADS, most="heads an engine holds (405B: 128)"),
-        "num_key_value_heads": Integer(
-            high=ENGINE_MAX_HEADS, most="KV heads an engine holds (405B: 8)", nullable=True
-        ),
-        "head_dim": Integer(high=ENGINE_MAX_HEADS, most="values a head holds in an engine", nullable=True),
-        "max_position_embeddings": Integer(
-            most="positions an engine holds (its max_length bound, 2^24; Llama 3.1: 131072)"
-        ),
-        "bos_token_id": TokenId(),
-        "eos_token_id": TokenId(many=True),
-        "pad_token_id": TokenId(),
-        "rms_norm_eps": Number(low=0, high=1),
-        "rope_theta": Number(low=0),
-        "rope_scaling": ROPE,
-        "rope_parameters": ROPE,
-        "hidden_act": Choice(_activations, "an activation transformers knows", hint="Llama's: silu"),
-        "tie_word_embeddings": Flag(),
+        **COMMON_FIELDS,
         "attention_bias": Flag(),
         "mlp_bias": Flag(),
-        "use_cache": Flag(),
-        "attention_dropout": Number(low=0, high=1, closed_low=True, closed_high=True, nullable=True),
-        "initializer_range": Number(low=0, high=1, closed_low=True, closed_high=True),
-        "torch_dtype": Choice(DTYPES, "a floating-point dtype", prefix="torch.", nullable=True),
-        "dtype": Choice(DTYPES, "a floating-point dtype", prefix="torch.", nullable=True),
         "layer_types": LayerTypes(("full_attention", "sliding_attention")),
     },
-    relations=(
-        heads_divide_hidden,
-        head_dim_fits,
-        kv_heads_divide_heads,
-        llama3_frequencies,
-        longrope_factors,
-    ),
+    relations=COMMON_RELATIONS,
     # LlamaConfig's defaults of the fields the rules and relations read
     defaults={"vocab_size": 32000, "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32},
 )
 
-# model_type -> what its config.json may hold. Only Llama is a supported source today.
-BOUNDS: dict[str, FamilyBounds] = {"llama": LLAMA}
+
+def qwen2_window_refused(config: Mapping[str, Any]) -> str | None:
+    """Qwen2's sliding window (``use_sliding_window``, or a ``sliding_attention`` layer) is not
+    built yet (issue 51, step 3): refused rather than run as full attention."""
+    types = config.get("layer_types") or []
+    if config.get("use_sliding_window") or "sliding_attention" in types:
+        field = (
+            "use_sliding_window=True"
+            if config.get("use_sliding_window")
+            else "a sliding_attention layer_types"
+        )
+        return (
+            f"{field}: this build does not implement Qwen2's sliding window yet, and full attention would "
+            "change the model; use a checkpoint without it"
+        )
+    return None
+
+
+QWEN2 = FamilyBounds(
+    fields={
+        **COMMON_FIELDS,
+        "use_sliding_window": Flag(),
+        "sliding_window": Integer(most="positions an engine holds (2^24)", nullable=True),
+        "max_window_layers": Integer(low=0, high=MAX_LAYERS, most="layers a model has", nullable=True),
+        "layer_types": LayerTypes(("full_attention", "sliding_attention")),
+    },
+    relations=COMMON_RELATIONS,
+    # Qwen2Config's defaults of the fields the rules and relations read
+    defaults={"vocab_size": 151936, "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32},
+    refused=(qwen2_window_refused,),
+)
+
+# model_type -> what its config.json may hold (the families of pipeline/core/families.py).
+BOUNDS: dict[str, FamilyBounds] = {"llama": LLAMA, "qwen2": QWEN2}
 
 # generation_config.json: the export reads its eos_token_id before config.json's (passes/export.py).
 GENERATION_FIELDS: Mapping[str, Rule] = {
@@ -387,6 +427,9 @@ def check_config(config: Mapping[str, Any], where: str) -> None:
     for relation in family.relations:
         if problem := relation(settled):
             raise SourceError(f"{where} has {problem}: {FIX}")
+    for feature in family.refused:
+        if problem := feature(settled):
+            raise SourceError(f"{where} has {problem}")
 
 
 def check_generation_config(generation: Mapping[str, Any], config: Mapping[str, Any], where: str) -> None:

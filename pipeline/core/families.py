@@ -134,7 +134,18 @@ DEFAULT_SMOOTHING = (
 
 LLAMA = Family(model_type="llama", architectures=("LlamaForCausalLM",), smoothing=DEFAULT_SMOOTHING)
 
-FAMILIES: Mapping[str, Family] = MappingProxyType({family.model_type: family for family in (LLAMA,)})
+# Qwen2 and Qwen2.5: a Llama block whose q, k and v projections carry a bias (transformers'
+# ``Qwen2Attention``: ``bias=True`` on q/k/v, none on o). Its config's sliding window
+# (``use_sliding_window``) is refused at start-up until the window lands (issue 51, step 3).
+QWEN2 = Family(
+    model_type="qwen2",
+    architectures=("Qwen2ForCausalLM",),
+    smoothing=DEFAULT_SMOOTHING,
+    fixed_biases=("q_proj", "k_proj", "v_proj"),
+    bias_flags=(),
+)
+
+FAMILIES: Mapping[str, Family] = MappingProxyType({family.model_type: family for family in (LLAMA, QWEN2)})
 
 
 def supported() -> str:

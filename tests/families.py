@@ -1,0 +1,105 @@
+"""Tiny random checkpoints of each supported family's real config layout, built with transformers'
+own config and model classes (never downloaded), and the measures the family tests share: ONNX
+Runtime's logits against transformers' forward over long prompts, and a fused engine's decode
+against its own prefill."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.conftest import make_tokenizer
+
+# Every family's tiny shape: GQA (4 heads, 2 KV heads), 2 layers, room for 4096 positions.
+TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+PARITY_POSITIONS = 2048
+
+
+def make_tiny(model_type: str, folder: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Save a random tiny checkpoint of ``model_type`` (transformers' ``AutoConfig.for_model`` and
+    ``AutoModelForCausalLM.from_config``) with the byte-level BPE tokenizer of the tiny Llama.
+    transformers initialises biases to zero; they are drawn at random here, so a pass that drops
+    or misplaces one changes the logits."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, 0.5)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    make_tokenizer(folder)
+    return folder
+
+
+def random_ids(length: int = PARITY_POSITIONS, vocab: int = 320, seed: int = 0) -> np.ndarray:
+    """``[1, length]`` token ids past the special ones."""
+    return np.random.default_rng(seed).integers(3, vocab, size=(1, length), dtype=np.int64)
+
+
+def transformers_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
+    """transformers' own forward of the checkpoint in ``folder`` (fp32, eager attention)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, trust_remote_code=False, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(ids)).logits[0].numpy()
+
+
+def onnx_prefill(graph: Path, ids: np.ndarray) -> np.ndarray:
+    """ONNX Runtime's logits of one prefill of ``ids`` through the graph or engine folder."""
+    from pipeline.core.engine import graph_io
+    from pipeline.core.graph_io import model_file
+    from pipeline.runtime.ort import OrtModel
+
+    model = OrtModel(graph / model_file(graph), graph_io(graph), prepack=False)
+    logits, _ = model.step(
+        ids, np.ones_like(ids), np.arange(ids.shape[1], dtype=np.int64)[None], model.empty_cache(1)
+    )
+    return np.asarray(logits[0], dtype=np.float32)
+
+
+def onnx_decode(graph: Path, ids: np.ndarray, prefill: int) -> np.ndarray:
+    """ONNX Runtime's logits of the last ``len - prefill`` positions of ``ids``, fed one token at a
+    time through the cache after a prefill of the first ``prefill``."""
+    from pipeline.core.engine import graph_io
+    from pipeline.core.graph_io import model_file
+    from pipeline.runtime.ort import OrtModel
+
+    model = OrtModel(graph / model_file(graph), graph_io(graph), prepack=False)
+    head = ids[:, :prefill]
+    out, cache = model.step(
+        head, np.ones_like(head), np.arange(prefill, dtype=np.int64)[None], model.empty_cache(1)
+    )
+    logits = []
+    for position in range(prefill, ids.shape[1]):
+        mask = np.ones((1, position + 1), dtype=np.int64)
+        out, cache = model.step(ids[:, position : position + 1], mask, np.array([[position]]), cache)
+        logits.append(np.asarray(out[0, -1], dtype=np.float32))
+    return np.stack(logits)
+
+
+def relative_error(candidate: np.ndarray, reference: np.ndarray) -> float:
+    """max |candidate - reference| as a fraction of the reference's logit range."""
+    return float(np.abs(candidate - reference).max() / (reference.max() - reference.min()))

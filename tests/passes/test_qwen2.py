@@ -1,0 +1,165 @@
+"""Qwen2 / Qwen2.5 (issue 51, step 2): a Llama block whose q, k and v projections carry a bias.
+On a tiny random checkpoint of Qwen2's config layout, built with transformers' own classes and
+random biases: the export and the fused engine match transformers' forward over 2048 positions,
+the fused decode matches its prefill, the packed QKV rule packs the biases, prune slices them,
+and every quantized recipe builds end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from passes.export import ExportPass
+from passes.fusion.fuse import FusionPass
+from passes.prune import Importance, Shape, pruned_config, pruned_state
+from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.cache import Cache
+from pipeline.core.errors import SourceError
+from pipeline.core.families import QWEN2, family_of
+from pipeline.core.manager import PassManager
+from pipeline.sources import check_hf_llama
+from tests.conftest import run_pass
+from tests.families import (
+    PARITY_POSITIONS,
+    make_tiny,
+    onnx_decode,
+    onnx_prefill,
+    random_ids,
+    relative_error,
+    transformers_logits,
+)
+
+TOLERANCE = 1e-4  # of the logit range (issue 51)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="module")
+def graph(qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> Artifact:
+    return run_pass(ExportPass(), Artifact.from_dir(Kind.TORCH, qwen2), tmp_path_factory.mktemp("graph"))[0]
+
+
+@pytest.fixture(scope="module")
+def fused(graph: Artifact, tmp_path_factory: pytest.TempPathFactory) -> tuple[Artifact, dict]:
+    return run_pass(FusionPass(), graph, tmp_path_factory.mktemp("fused"))
+
+
+@pytest.fixture(scope="module")
+def reference(qwen2: Path) -> np.ndarray:
+    return transformers_logits(qwen2, random_ids())
+
+
+def test_a_qwen2_checkpoint_is_a_source_of_the_qwen2_family(qwen2: Path) -> None:
+    config = json.loads((qwen2 / "config.json").read_text())
+    assert family_of(config) is QWEN2
+    assert check_hf_llama(qwen2)["architecture"] == "Qwen2ForCausalLM"
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=True: this build does not"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "a sliding_attention layer_types"),
+    ],
+)
+def test_a_sliding_window_is_refused_until_it_is_built(
+    qwen2: Path, tmp_path: Path, change: dict, needle: str
+) -> None:
+    import shutil
+
+    folder = tmp_path / "windowed"
+    shutil.copytree(qwen2, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(SourceError, match=needle) as raised:
+        check_hf_llama(folder)
+    assert "\n" not in str(raised.value)
+
+
+def test_the_export_matches_transformers_over_2048_positions(graph: Artifact, reference: np.ndarray) -> None:
+    assert relative_error(onnx_prefill(graph.path, random_ids()), reference) <= TOLERANCE
+
+
+def test_the_fused_graph_packs_the_biased_projections_and_matches_transformers(
+    fused: tuple[Artifact, dict], reference: np.ndarray
+) -> None:
+    artifact, metrics = fused
+    assert metrics["rewrites"]["group_query_attention"] == 2
+    assert metrics["rewrites"]["packed_qkv"] == 2  # MatMul + bias Add, packed with their biases
+    assert metrics["warnings"] == []
+    assert relative_error(onnx_prefill(artifact.path, random_ids()), reference) <= TOLERANCE
+
+
+def test_the_fused_decode_matches_its_prefill(fused: tuple[Artifact, dict], reference: np.ndarray) -> None:
+    ids, steps = random_ids(), 24
+    decoded = onnx_decode(fused[0].path, ids, PARITY_POSITIONS - steps)
+    assert relative_error(decoded, reference[-steps:]) <= TOLERANCE
+
+
+def test_prune_slices_the_biases_with_their_heads(qwen2: Path) -> None:
+    """Heads 1 and 3 made dead (their o_proj columns zero) and pruned: the pruned model computes
+    what the original does, which holds only if each kept head keeps its own q bias rows."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = json.loads((qwen2 / "config.json").read_text())
+    state = load_file(qwen2 / "model.safetensors")
+    shape = Shape.of(config)
+    dead = [h * shape.head_dim + i for h in (1, 3) for i in range(shape.head_dim)]
+    for layer in range(shape.layers):
+        state[f"model.layers.{layer}.self_attn.o_proj.weight"][:, dead] = 0
+    target = Shape(shape.hidden, shape.intermediate, 2, shape.kv_heads, shape.head_dim, shape.layers)
+    importance = Importance(
+        mlp=np.ones((shape.layers, shape.intermediate)),
+        heads=np.tile([1.0, 0.0, 1.0, 0.0], (shape.layers, 1)),
+        hidden=np.ones(shape.hidden),
+        layers=np.ones(shape.layers),
+    )
+    pruned, record = pruned_state(state, True, importance, shape, target, QWEN2)
+    assert record["heads"] == {0: [0, 2], 1: [0, 2]}
+    assert pruned["model.layers.0.self_attn.q_proj.bias"].shape == (2 * shape.head_dim,)
+
+    def logits(config: dict, weights: dict) -> np.ndarray:
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+        model.load_state_dict(weights, strict=False)
+        model.tie_weights()
+        with torch.no_grad():
+            return model.eval()(torch.from_numpy(random_ids(64))).logits[0].numpy()
+
+    small = pruned_config(config, target, list(range(shape.layers)))
+    assert relative_error(logits(small, pruned), logits(config, state)) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        ["quant=int8", "fusion=ort"],
+        ["quant=int4_awq", "fusion=ort"],
+        ["quant=int4_gptq", "fusion=ort"],
+        ["quant=fp8"],
+    ],
+    ids=lambda recipe: recipe[0].removeprefix("quant="),
+)
+def test_every_quantized_recipe_builds_a_qwen2_engine(qwen2: Path, tmp_path: Path, recipe: list[str]) -> None:
+    from pipeline.core.plugins import build_passes
+    from tests.pipeline.recipe import compose_recipe
+
+    passes = build_passes(compose_recipe(recipe))
+    engine, records = PassManager(passes, Cache(tmp_path)).run(Artifact.from_dir(Kind.TORCH, qwen2))
+    assert engine.kind is Kind.ENGINE
+    by_name = {record.name: record.metrics for record in records}
+    if "fusion" in by_name:
+        assert by_name["fusion"]["rewrites"]["group_query_attention"] == 2
+        packed = by_name["fusion"]["rewrites"]["packed_qkv"]
+        assert packed == (2 if "int4" in recipe[0] else 0)  # Q/DQ projections are not packed
+    for metrics in by_name.values():
+        for key in ("parity", "parity_vs_input_graph"):
+            if key in metrics:
+                assert metrics[key].get("finite", True) and metrics[key]["top1_agreement"] >= 0.8, metrics
