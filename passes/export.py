@@ -532,7 +532,12 @@ def _flat_kv_decoder(model: Any, num_layers: int) -> Any:
             self.model = model
 
         def forward(self, input_ids, attention_mask, position_ids, *past):  # type: ignore[no-untyped-def]
-            cache = DynamicCache(config=self.model.config)
+            # Full caches on every layer (no config: no DynamicSlidingWindowLayer, which would
+            # slice a windowed layer's present to its window and hide the attention from the
+            # fusion rule): present = past + new, and a sliding window lives in the attention
+            # mask transformers builds. The fused graph's GroupQueryAttention takes the window
+            # (local_window_size), and with kv_cache=shared its buffer holds only the window.
+            cache = DynamicCache()
             for layer in range(num_layers):
                 cache.update(past[2 * layer], past[2 * layer + 1], layer)
             out = self.model(

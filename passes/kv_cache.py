@@ -54,6 +54,8 @@ from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata
 from pipeline.core.base import Pass, Workload
 from pipeline.core.config import MAX_TOKENS, _is_int, register_pass
 from pipeline.core.errors import PassError
+from pipeline.core.families import layer_windows
+from pipeline.core.files import read_json
 from pipeline.core.graph_io import check_data_files, link_graph_folder
 from pipeline.core.planned_model import PlannedModel
 
@@ -156,16 +158,22 @@ class KvCachePass(CalibratesOnWindows, Pass):
         dtype = KvDtype(self.config.dtype)
         return {KvDtype.fp16: "bits16", KvDtype.int8: "bits8", KvDtype.fp8: "bits8"}.get(dtype, "fp32")
 
-    def layout(self) -> dict[str, Any]:
-        """The ``kv_cache`` entry of the output's metadata, but for the calibrated scales."""
+    def layout(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The ``kv_cache`` entry of the output's metadata, but for the calibrated scales.
+        ``window``: ``kv_cache.window``, narrowed to the model's own window where every layer
+        has the same one (Mistral's ``sliding_window``), which the graph keeps either way."""
+        window = self.config.window
+        own = set(layer_windows(config))
+        if window and len(own) == 1 and (size := own.pop()):
+            window = min(window, size)
         layout: dict[str, Any] = {
             "layout": Layout(self.config.layout).value,
             "dtype": KvDtype(self.config.dtype).value,
-            "window": self.config.window,
+            "window": window,
             "paged_block_size": self.config.paged_block_size,
         }
-        if self.config.layout == Layout.shared and self.config.window:
-            layout["capacity"] = window_capacity(self.config.window)
+        if self.config.layout == Layout.shared and window:
+            layout["capacity"] = window_capacity(window)
         if self.config.dtype == KvDtype.fp8:
             layout["fp8_scale"] = Fp8Scale(self.config.fp8_scale).value
         return layout
@@ -185,7 +193,7 @@ class KvCachePass(CalibratesOnWindows, Pass):
                     )
         if self.config.dtype in (KvDtype.int8, KvDtype.fp8):
             check_context(self.config.calibration, facts, "kv_cache.calibration")
-        return facts.replace(kv_cache=self.layout())
+        return facts.replace(kv_cache=self.layout(dict(facts.config)))
 
     def requires(self, source: Artifact) -> None:
         if "io" not in source.metadata:
@@ -195,7 +203,7 @@ class KvCachePass(CalibratesOnWindows, Pass):
 
     def run(self, source: Artifact, out_dir: Path) -> dict[str, Any]:
         link_graph_folder(source.path, out_dir, skip=(ARTIFACT_FILE, AMAX_FILE))
-        layout = self.layout()
+        layout = self.layout(read_json(source.path / "config.json", what="a config.json"))
         result: dict[str, Any] = {}
         if self.config.dtype in (KvDtype.int8, KvDtype.fp8):
             amax, tokens = calibrate_amax(source.path, self.config.calibration)

@@ -387,8 +387,18 @@ QWEN2 = FamilyBounds(
     refused=(qwen2_window_refused,),
 )
 
+MISTRAL = FamilyBounds(
+    fields={
+        **COMMON_FIELDS,
+        "sliding_window": Integer(most="positions an engine holds (2^24)", nullable=True),
+    },
+    relations=COMMON_RELATIONS,
+    # MistralConfig's defaults of the fields the rules and relations read
+    defaults={"vocab_size": 32000, "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32},
+)
+
 # model_type -> what its config.json may hold (the families of pipeline/core/families.py).
-BOUNDS: dict[str, FamilyBounds] = {"llama": LLAMA, "qwen2": QWEN2}
+BOUNDS: dict[str, FamilyBounds] = {"llama": LLAMA, "qwen2": QWEN2, "mistral": MISTRAL}
 
 # generation_config.json: the export reads its eos_token_id before config.json's (passes/export.py).
 GENERATION_FIELDS: Mapping[str, Rule] = {

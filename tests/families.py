@@ -82,22 +82,39 @@ def onnx_prefill(graph: Path, ids: np.ndarray) -> np.ndarray:
 
 def onnx_decode(graph: Path, ids: np.ndarray, prefill: int) -> np.ndarray:
     """ONNX Runtime's logits of the last ``len - prefill`` positions of ``ids``, fed one token at a
-    time through the cache after a prefill of the first ``prefill``."""
+    time through the cache after a prefill of the first ``prefill``, in a session of the graph
+    folder, or of the engine folder as the runtime opens it (its cache layout and buffer)."""
     from pipeline.core.engine import graph_io
     from pipeline.core.graph_io import model_file
-    from pipeline.runtime.ort import OrtModel
+    from pipeline.runtime.ort import Engine, OrtModel
 
-    model = OrtModel(graph / model_file(graph), graph_io(graph), prepack=False)
+    if (graph / "engine.json").is_file():
+        model = Engine(graph, speculative=False, prepack=False).model
+    else:
+        model = OrtModel(graph / model_file(graph), graph_io(graph), prepack=False)
     head = ids[:, :prefill]
-    out, cache = model.step(
-        head, np.ones_like(head), np.arange(prefill, dtype=np.int64)[None], model.empty_cache(1)
-    )
+    positions = np.arange(prefill, dtype=np.int64)[None]
+    out, cache = model.step(head, np.ones_like(head), positions, model.empty_cache(1))
     logits = []
     for position in range(prefill, ids.shape[1]):
         mask = np.ones((1, position + 1), dtype=np.int64)
         out, cache = model.step(ids[:, position : position + 1], mask, np.array([[position]]), cache)
         logits.append(np.asarray(out[0, -1], dtype=np.float32))
     return np.stack(logits)
+
+
+def build(recipe: list[str], source: Path, cache: Path) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """Run ``recipe`` (Hydra overrides of the real configs) on the checkpoint ``source`` with the
+    real pass manager: (the engine artifact, each pass's metrics by name)."""
+    from pipeline.core.artifacts import Artifact, Kind
+    from pipeline.core.cache import Cache
+    from pipeline.core.manager import PassManager
+    from pipeline.core.plugins import build_passes
+    from tests.pipeline.recipe import compose_recipe
+
+    passes = build_passes(compose_recipe(recipe))
+    engine, records = PassManager(passes, Cache(cache)).run(Artifact.from_dir(Kind.TORCH, source))
+    return engine, {record.name: record.metrics for record in records}
 
 
 def relative_error(candidate: np.ndarray, reference: np.ndarray) -> float:

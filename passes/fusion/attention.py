@@ -20,6 +20,7 @@ matcher try every combination of candidate nodes: minutes on a 30-layer graph);
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import onnx_ir as ir
@@ -250,6 +251,24 @@ def _replace_value(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
     if was_output:
         old.name = f"{name}__replaced"
         new.name = name
+
+
+def set_layer_windows(graph: ir.Graph, windows: tuple[int, ...]) -> int:
+    """Give each layer's ``GroupQueryAttention`` its own ``local_window_size``: ``windows[i]``
+    for the kernel reading ``past_key_values.{i}.key`` (0: none, -1 for the kernel); the rule
+    itself sets one window for all. Returns the kernels given a window."""
+    windowed = 0
+    for node in graph:
+        if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
+            continue
+        past = node.inputs[3].name or "" if len(node.inputs) > 3 and node.inputs[3] is not None else ""
+        match = re.fullmatch(r"past_key_values\.(\d+)\.key", past)
+        if match is None or int(match.group(1)) >= len(windows):
+            continue
+        size = windows[int(match.group(1))]
+        node.attributes["local_window_size"] = ir.AttrInt64("local_window_size", size or -1)
+        windowed += bool(size)
+    return windowed
 
 
 def attention_rules(

@@ -54,7 +54,7 @@ from pipeline.core.artifacts import Artifact, Kind, read_metadata, write_metadat
 from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
 from pipeline.core.errors import PassError
-from pipeline.core.families import head_dim
+from pipeline.core.families import head_dim, layer_windows
 from pipeline.core.files import read_json
 from pipeline.core.graph_io import (
     MODEL_FILE,
@@ -91,6 +91,8 @@ class ModelFacts:
     window: int = 0
     # The cache keeps only the window (shared layout with a window): GQA evicts in place.
     window_cache: bool = False
+    # Each layer's window: its family's (Mistral's sliding_window), narrowed to ``window``.
+    windows: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config: dict[str, Any], window: int = 0, window_cache: bool = False) -> ModelFacts:
@@ -104,6 +106,7 @@ class ModelFacts:
             max_positions=int(config.get("max_position_embeddings", 2048)),
             window=window,
             window_cache=window_cache,
+            windows=layer_windows(config, window),
         )
 
 
@@ -126,7 +129,7 @@ def _rotary(model: Any, facts: ModelFacts) -> int:
 
 
 def _attention(model: Any, facts: ModelFacts) -> int:
-    from passes.fusion.attention import attention_rules, reroute_cache_outputs
+    from passes.fusion.attention import attention_rules, reroute_cache_outputs, set_layer_windows
 
     mask = next((v for v in model.graph.inputs if v.name == "attention_mask"), None)
     if mask is None:
@@ -136,6 +139,7 @@ def _attention(model: Any, facts: ModelFacts) -> int:
     count = rules.apply_to_model(model)
     if count:
         reroute_cache_outputs(model.graph)
+        set_layer_windows(model.graph, facts.windows)
     return count
 
 
@@ -194,6 +198,19 @@ RULE_FAMILIES: dict[str, Callable[[Any, ModelFacts], int | None]] = {
     "onnx_rms_norm": _onnx_rms_norm,
     "onnx_rotary_embedding": _onnx_rotary,
     "onnx_attention": _onnx_attention,
+}
+# Why a rule family cannot run on a model, where a kernel lacks a feature the model has: the
+# family is skipped with a warning in the record, and its sites stay as exported (still exact).
+RULE_LIMITS: dict[str, Callable[[ModelFacts], str | None]] = {
+    "group_query_attention": lambda facts: (
+        f"ONNX Runtime's GroupQueryAttention takes heads of a multiple of 16 values, this model's "
+        f"have {facts.head_dim}"
+        if facts.head_dim % 16
+        else None
+    ),
+    "onnx_attention": lambda facts: (
+        "ONNX Attention has no sliding window, which this model's layers have" if any(facts.windows) else None
+    ),
 }
 # The default-domain opset a family's ops need; the pass converts the graph up to it first.
 RULE_OPSETS = {"onnx_rms_norm": 23, "onnx_rotary_embedding": 23, "onnx_attention": 23}
@@ -285,8 +302,12 @@ class FusionPass(Pass):
                 from onnxscript import version_converter
 
                 version_converter.convert_version(model, target_version=opset)
+            skipped: list[str] = []
             for rule in self.config.rules:
                 phase(rule)
+                if limit := RULE_LIMITS.get(rule, lambda _: None)(facts):
+                    skipped.append(f"fusion rule '{rule}' skipped: {limit}; its sites stay unfused")
+                    continue
                 count = RULE_FAMILIES[rule](model, facts)
                 if count is None:
                     not_applicable.append(rule)
@@ -303,7 +324,7 @@ class FusionPass(Pass):
             ops = {node.op_type for node in model.graph}
             saved = save_graph(model, out_dir, source_dirs=[source.path])
         link_folder_files(source.path, out_dir)
-        warnings = [
+        warnings = skipped + [
             f"fusion rule '{rule}' matched nothing on this graph"
             for rule, count in rewrites.items()
             if not count

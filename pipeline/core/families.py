@@ -77,6 +77,9 @@ class Family:
     fixed_biases: tuple[str, ...] = ()  # projections that always carry a bias (Qwen2: q, k, v)
     bias_flags: tuple[str, ...] = ("attention_bias", "mlp_bias")  # config keys that add biases
     window_key: str | None = None  # the config key of the sliding window (Mistral, Qwen2)
+    # Whether the window applies only to the ``sliding_attention`` layers of ``layer_types``
+    # (Qwen2, Gemma 3); Mistral's transformers class windows every layer and ignores the key.
+    reads_layer_types: bool = False
 
     def layer(self, index: int) -> str:
         """The module name of decoder block ``index``: ``model.layers.3``."""
@@ -103,13 +106,27 @@ class Family:
         return (self.input_norm, self.post_attention_norm)
 
     def window(self, config: Mapping[str, Any], layer: int) -> int:
-        """The attention window of decoder block ``layer`` (0: it sees every position)."""
+        """The attention window of decoder block ``layer``: it attends to itself and the
+        ``window - 1`` positions before it (transformers' ``sliding_window_overlay``); 0: every
+        position. Where the family reads ``layer_types``, only its ``sliding_attention`` layers."""
         if self.window_key is None:
             return 0
-        types = config.get("layer_types")
-        if isinstance(types, list) and layer < len(types) and types[layer] != "sliding_attention":
+        size = config.get(self.window_key)
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             return 0
-        return int(config.get(self.window_key) or 0)
+        types = config.get("layer_types")
+        if self.reads_layer_types and isinstance(types, list) and layer < len(types):
+            return size if types[layer] == "sliding_attention" else 0
+        return size
+
+
+def layer_windows(config: Mapping[str, Any], bound: int = 0) -> tuple[int, ...]:
+    """Each decoder block's attention window (0: unbounded): its family's (:meth:`Family.window`),
+    narrowed to ``bound`` where a build sets one (``kv_cache.window``; 0: none)."""
+    family = family_of(config)
+    layers = int(config.get("num_hidden_layers") or 0)
+    own = (family.window(config, layer) for layer in range(layers))
+    return tuple(min(size, bound) if size and bound else (size or bound) for size in own)
 
 
 def head_dim(config: Mapping[str, Any]) -> int:
@@ -145,7 +162,19 @@ QWEN2 = Family(
     bias_flags=(),
 )
 
-FAMILIES: Mapping[str, Family] = MappingProxyType({family.model_type: family for family in (LLAMA, QWEN2)})
+# Mistral: a Llama block with a ``head_dim`` of its own and a sliding window on every layer
+# (``sliding_window``: each token attends to itself and the window - 1 before it; null: none).
+MISTRAL = Family(
+    model_type="mistral",
+    architectures=("MistralForCausalLM",),
+    smoothing=DEFAULT_SMOOTHING,
+    bias_flags=(),
+    window_key="sliding_window",
+)
+
+FAMILIES: Mapping[str, Family] = MappingProxyType(
+    {family.model_type: family for family in (LLAMA, QWEN2, MISTRAL)}
+)
 
 
 def supported() -> str:

@@ -16,14 +16,13 @@ from passes.export import ExportPass
 from passes.fusion.fuse import FusionPass
 from passes.prune import Importance, Shape, pruned_config, pruned_state
 from pipeline.core.artifacts import Artifact, Kind
-from pipeline.core.cache import Cache
 from pipeline.core.errors import SourceError
 from pipeline.core.families import QWEN2, family_of
-from pipeline.core.manager import PassManager
 from pipeline.sources import check_hf_llama
 from tests.conftest import run_pass
 from tests.families import (
     PARITY_POSITIONS,
+    build,
     make_tiny,
     onnx_decode,
     onnx_prefill,
@@ -148,13 +147,8 @@ def test_prune_slices_the_biases_with_their_heads(qwen2: Path) -> None:
     ids=lambda recipe: recipe[0].removeprefix("quant="),
 )
 def test_every_quantized_recipe_builds_a_qwen2_engine(qwen2: Path, tmp_path: Path, recipe: list[str]) -> None:
-    from pipeline.core.plugins import build_passes
-    from tests.pipeline.recipe import compose_recipe
-
-    passes = build_passes(compose_recipe(recipe))
-    engine, records = PassManager(passes, Cache(tmp_path)).run(Artifact.from_dir(Kind.TORCH, qwen2))
+    engine, by_name = build(recipe, qwen2, tmp_path)
     assert engine.kind is Kind.ENGINE
-    by_name = {record.name: record.metrics for record in records}
     if "fusion" in by_name:
         assert by_name["fusion"]["rewrites"]["group_query_attention"] == 2
         packed = by_name["fusion"]["rewrites"]["packed_qkv"]

@@ -65,11 +65,11 @@ def test_folder_without_config(checkpoint: Path) -> None:
 
 def test_unsupported_architecture(checkpoint: Path) -> None:
     config = json.loads((checkpoint / "config.json").read_text())
-    config.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    config.update(model_type="mixtral", architectures=["MixtralForCausalLM"])
     (checkpoint / "config.json").write_text(json.dumps(config))
     with pytest.raises(SourceError) as error:
         check_hf_llama(checkpoint)
-    assert "MistralForCausalLM" in one_line(error) and "only Llama" in str(error.value)
+    assert "MixtralForCausalLM" in one_line(error) and "only Llama" in str(error.value)
 
 
 def test_pickle_weights_are_refused(checkpoint: Path) -> None:
