@@ -296,6 +296,9 @@ def pruned_state(
         record["heads"][new] = [int(h) for h in head_index]
         for norm in family.norms:
             out[f"{dst}{norm}.weight"] = rows(state[f"{src}{norm}.weight"], hidden)
+        for norm in family.qk_norms or ():  # one weight of head_dim shared by every head: kept
+            name = f"{family.attention}.{norm}.weight"
+            out[f"{dst}{name}"] = state[f"{src}{name}"].clone()
         out[f"{dst}{q}.weight"] = cols(rows(state[f"{src}{q}.weight"], q_rows), hidden)
         for kv in (k, v):
             out[f"{dst}{kv}.weight"] = cols(state[f"{src}{kv}.weight"], hidden)
@@ -375,9 +378,6 @@ class PrunePass(CalibratesOnWindows, Pass):
 
     def check_model(self, facts: PlannedModel) -> PlannedModel:
         hf = dict(facts.config)
-        family = family_of(hf)
-        if family.qk_norms:
-            raise PassError(f"prune: {family.model_type}'s q/k norms are not sliced yet")
         check_context(self.config.calibration, facts, f"{self.config_group or 'prune'}.calibration")
         target = target_shape(Shape.of(hf), self.config)
         # Which layers the ranking keeps is known only once it ran; the facts need only how many.

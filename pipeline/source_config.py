@@ -356,9 +356,10 @@ LLAMA = FamilyBounds(
 )
 
 
-def qwen2_window_refused(config: Mapping[str, Any]) -> str | None:
-    """Qwen2's sliding window (``use_sliding_window``, or a ``sliding_attention`` layer) is not
-    built yet (issue 51, step 3): refused rather than run as full attention."""
+def qwen_window_refused(config: Mapping[str, Any]) -> str | None:
+    """Qwen2's and Qwen3's sliding window (``use_sliding_window``, or a ``sliding_attention``
+    layer, on the layers past ``max_window_layers``) is not built: refused rather than run as
+    full attention."""
     types = config.get("layer_types") or []
     if config.get("use_sliding_window") or "sliding_attention" in types:
         field = (
@@ -367,7 +368,7 @@ def qwen2_window_refused(config: Mapping[str, Any]) -> str | None:
             else "a sliding_attention layer_types"
         )
         return (
-            f"{field}: this build does not implement Qwen2's sliding window yet, and full attention would "
+            f"{field}: this build does not implement Qwen's sliding window yet, and full attention would "
             "change the model; use a checkpoint without it"
         )
     return None
@@ -384,7 +385,15 @@ QWEN2 = FamilyBounds(
     relations=COMMON_RELATIONS,
     # Qwen2Config's defaults of the fields the rules and relations read
     defaults={"vocab_size": 151936, "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32},
-    refused=(qwen2_window_refused,),
+    refused=(qwen_window_refused,),
+)
+
+QWEN3 = FamilyBounds(
+    fields={**QWEN2.fields, "attention_bias": Flag()},
+    relations=COMMON_RELATIONS,
+    # Qwen3Config's defaults of the fields the rules and relations read
+    defaults={**QWEN2.defaults, "head_dim": 128},
+    refused=(qwen_window_refused,),
 )
 
 MISTRAL = FamilyBounds(
@@ -398,7 +407,7 @@ MISTRAL = FamilyBounds(
 )
 
 # model_type -> what its config.json may hold (the families of pipeline/core/families.py).
-BOUNDS: dict[str, FamilyBounds] = {"llama": LLAMA, "qwen2": QWEN2, "mistral": MISTRAL}
+BOUNDS: dict[str, FamilyBounds] = {"llama": LLAMA, "qwen2": QWEN2, "mistral": MISTRAL, "qwen3": QWEN3}
 
 # generation_config.json: the export reads its eos_token_id before config.json's (passes/export.py).
 GENERATION_FIELDS: Mapping[str, Rule] = {

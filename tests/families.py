@@ -32,8 +32,8 @@ PARITY_POSITIONS = 2048
 def make_tiny(model_type: str, folder: Path, seed: int = 0, **overrides: Any) -> Path:
     """Save a random tiny checkpoint of ``model_type`` (transformers' ``AutoConfig.for_model`` and
     ``AutoModelForCausalLM.from_config``) with the byte-level BPE tokenizer of the tiny Llama.
-    transformers initialises biases to zero; they are drawn at random here, so a pass that drops
-    or misplaces one changes the logits."""
+    transformers initialises biases to zero and norm weights to one; they are drawn at random
+    here, so a pass that drops or misplaces one changes the logits."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -44,6 +44,8 @@ def make_tiny(model_type: str, folder: Path, seed: int = 0, **overrides: Any) ->
         for name, parameter in model.named_parameters():
             if name.endswith(".bias"):
                 parameter.normal_(0.0, 0.5)
+            elif name.endswith("norm.weight"):  # ones at init: a misplaced norm would not show
+                parameter.uniform_(0.5, 1.5)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     make_tokenizer(folder)
@@ -120,3 +122,44 @@ def build(recipe: list[str], source: Path, cache: Path) -> tuple[Any, dict[str, 
 def relative_error(candidate: np.ndarray, reference: np.ndarray) -> float:
     """max |candidate - reference| as a fraction of the reference's logit range."""
     return float(np.abs(candidate - reference).max() / (reference.max() - reference.min()))
+
+
+def dead_heads_pruned_error(folder: Path, family: Any) -> float:
+    """Prune heads 1 and 3 of every layer of the checkpoint in ``folder`` after making them dead
+    (their o_proj columns zero) with ``passes.prune.pruned_state``: the pruned model must compute
+    what the original does, which holds only if each kept head keeps its own q rows, bias and
+    norm. Returns the relative error of its logits against the original's on 64 tokens."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from passes.prune import Importance, Shape, pruned_config, pruned_state
+
+    config = json.loads((folder / "config.json").read_text())
+    state = load_file(folder / "model.safetensors")
+    shape = Shape.of(config)
+    dead = [h * shape.head_dim + i for h in (1, 3) for i in range(shape.head_dim)]
+    for layer in range(shape.layers):
+        state[f"model.layers.{layer}.self_attn.o_proj.weight"][:, dead] = 0
+    target = Shape(shape.hidden, shape.intermediate, 2, shape.kv_heads, shape.head_dim, shape.layers)
+    importance = Importance(
+        mlp=np.ones((shape.layers, shape.intermediate)),
+        heads=np.tile([1.0, 0.0, 1.0, 0.0], (shape.layers, 1)),
+        hidden=np.ones(shape.hidden),
+        layers=np.ones(shape.layers),
+    )
+    pruned, record = pruned_state(state, True, importance, shape, target, family)
+    assert record["heads"] == {0: [0, 2], 1: [0, 2]}
+
+    def logits(config: dict[str, Any], weights: dict[str, Any]) -> np.ndarray:
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        model.tie_weights()
+        with torch.no_grad():
+            return model.eval()(torch.from_numpy(random_ids(64))).logits[0].numpy()
+
+    small = pruned_config(config, target, list(range(shape.layers)))
+    return relative_error(logits(small, pruned), logits(config, state))

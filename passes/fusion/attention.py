@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
@@ -251,6 +252,37 @@ def _replace_value(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
     if was_output:
         old.name = f"{name}__replaced"
         new.name = name
+
+
+def expose_head_norms(graph: ir.Graph) -> int:
+    """Make a per-head q/k norm (Qwen3's ``q_norm``/``k_norm``: RMSNorm over each head's values,
+    between the projection's head reshape and the transpose) visible to the attention rule.
+
+    GroupQueryAttention takes Q and K as [B, S, H*D] and rotates them itself; the norm comes
+    before rotary, so it stays outside the kernel: ``Transpose(Norm(Reshape(x, s)))`` becomes
+    ``Transpose(Reshape(Reshape(Norm(Reshape(x, s)), [0, 0, -1]), s))``, whose inner
+    ``Reshape(..., [0, 0, -1])`` is the [B, S, H*D] input the rule hands the kernel (the outer
+    pair goes with the matched nodes). Runs after the rms_norm rules made the norm one node."""
+    exposed = 0
+    for node in list(graph):
+        if node.op_type != "SimplifiedLayerNormalization" or node.attributes.get_int("axis", -1) != -1:
+            continue
+        reshape = node.inputs[0].producer() if node.inputs[0] is not None else None
+        users = [user for user, _ in node.outputs[0].uses()]
+        if reshape is None or reshape.op_type != "Reshape" or len(users) != 1:
+            continue
+        transpose = users[0]
+        if transpose.op_type != "Transpose" or list(transpose.attributes.get_ints("perm", [])) != BHSD:
+            continue
+        flat_shape = ir.Value(name=f"{node.name}_flat_shape")
+        flat_shape.const_value = ir.tensor(np.array([0, 0, -1], dtype=np.int64), name=flat_shape.name)
+        graph.register_initializer(flat_shape)
+        flat = ir.node("Reshape", [node.outputs[0], flat_shape], name=f"{node.name}_flat")
+        heads = ir.node("Reshape", [flat.outputs[0], reshape.inputs[1]], name=f"{node.name}_heads")
+        graph.insert_after(node, [flat, heads])
+        transpose.replace_input_with(0, heads.outputs[0])
+        exposed += 1
+    return exposed
 
 
 def set_layer_windows(graph: ir.Graph, windows: tuple[int, ...]) -> int:

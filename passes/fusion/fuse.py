@@ -54,7 +54,7 @@ from pipeline.core.artifacts import Artifact, Kind, read_metadata, write_metadat
 from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
 from pipeline.core.errors import PassError
-from pipeline.core.families import head_dim, layer_windows
+from pipeline.core.families import family_of, head_dim, layer_windows
 from pipeline.core.files import read_json
 from pipeline.core.graph_io import (
     MODEL_FILE,
@@ -93,6 +93,8 @@ class ModelFacts:
     window_cache: bool = False
     # Each layer's window: its family's (Mistral's sliding_window), narrowed to ``window``.
     windows: tuple[int, ...] = ()
+    # Per-head q/k norms between the projections and the attention (Qwen3).
+    qk_norms: bool = False
 
     @classmethod
     def from_config(cls, config: dict[str, Any], window: int = 0, window_cache: bool = False) -> ModelFacts:
@@ -107,6 +109,7 @@ class ModelFacts:
             window=window,
             window_cache=window_cache,
             windows=layer_windows(config, window),
+            qk_norms=family_of(config).qk_norms is not None,
         )
 
 
@@ -129,11 +132,17 @@ def _rotary(model: Any, facts: ModelFacts) -> int:
 
 
 def _attention(model: Any, facts: ModelFacts) -> int:
-    from passes.fusion.attention import attention_rules, reroute_cache_outputs, set_layer_windows
+    from passes.fusion.attention import (
+        attention_rules,
+        expose_head_norms,
+        reroute_cache_outputs,
+        set_layer_windows,
+    )
 
     mask = next((v for v in model.graph.inputs if v.name == "attention_mask"), None)
     if mask is None:
         return 0
+    expose_head_norms(model.graph)  # Qwen3's q/k norms: outside the kernel, before its rotary
     window = facts.window or -1  # ORT: the token and the window-1 before it (checked in tests)
     rules = attention_rules(mask, facts.num_heads, facts.num_kv_heads, window, facts.window_cache)
     count = rules.apply_to_model(model)
@@ -206,6 +215,11 @@ RULE_LIMITS: dict[str, Callable[[ModelFacts], str | None]] = {
         f"ONNX Runtime's GroupQueryAttention takes heads of a multiple of 16 values, this model's "
         f"have {facts.head_dim}"
         if facts.head_dim % 16
+        else None
+    ),
+    "packed_qkv": lambda facts: (
+        "the per-head q/k norms sit between the projections and the attention kernel"
+        if facts.qk_norms
         else None
     ),
     "onnx_attention": lambda facts: (

@@ -172,8 +172,20 @@ MISTRAL = Family(
     window_key="sliding_window",
 )
 
+# Qwen3: a Llama block with a ``head_dim`` of its own and a per-head RMSNorm of q and k before
+# rotary (transformers' ``Qwen3Attention``: ``q_norm``, ``k_norm`` of ``head_dim`` weights,
+# shared by every head); ``attention_bias`` adds biases to q/k/v/o. Its sliding window is refused
+# at start-up, as Qwen2's.
+QWEN3 = Family(
+    model_type="qwen3",
+    architectures=("Qwen3ForCausalLM",),
+    smoothing=DEFAULT_SMOOTHING,
+    qk_norms=("q_norm", "k_norm"),
+    bias_flags=("attention_bias",),
+)
+
 FAMILIES: Mapping[str, Family] = MappingProxyType(
-    {family.model_type: family for family in (LLAMA, QWEN2, MISTRAL)}
+    {family.model_type: family for family in (LLAMA, QWEN2, MISTRAL, QWEN3)}
 )
 
 

@@ -14,7 +14,6 @@ import pytest
 
 from passes.export import ExportPass
 from passes.fusion.fuse import FusionPass
-from passes.prune import Importance, Shape, pruned_config, pruned_state
 from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.errors import SourceError
 from pipeline.core.families import QWEN2, family_of
@@ -23,6 +22,7 @@ from tests.conftest import run_pass
 from tests.families import (
     PARITY_POSITIONS,
     build,
+    dead_heads_pruned_error,
     make_tiny,
     onnx_decode,
     onnx_prefill,
@@ -102,38 +102,8 @@ def test_the_fused_decode_matches_its_prefill(fused: tuple[Artifact, dict], refe
 
 
 def test_prune_slices_the_biases_with_their_heads(qwen2: Path) -> None:
-    """Heads 1 and 3 made dead (their o_proj columns zero) and pruned: the pruned model computes
-    what the original does, which holds only if each kept head keeps its own q bias rows."""
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = json.loads((qwen2 / "config.json").read_text())
-    state = load_file(qwen2 / "model.safetensors")
-    shape = Shape.of(config)
-    dead = [h * shape.head_dim + i for h in (1, 3) for i in range(shape.head_dim)]
-    for layer in range(shape.layers):
-        state[f"model.layers.{layer}.self_attn.o_proj.weight"][:, dead] = 0
-    target = Shape(shape.hidden, shape.intermediate, 2, shape.kv_heads, shape.head_dim, shape.layers)
-    importance = Importance(
-        mlp=np.ones((shape.layers, shape.intermediate)),
-        heads=np.tile([1.0, 0.0, 1.0, 0.0], (shape.layers, 1)),
-        hidden=np.ones(shape.hidden),
-        layers=np.ones(shape.layers),
-    )
-    pruned, record = pruned_state(state, True, importance, shape, target, QWEN2)
-    assert record["heads"] == {0: [0, 2], 1: [0, 2]}
-    assert pruned["model.layers.0.self_attn.q_proj.bias"].shape == (2 * shape.head_dim,)
-
-    def logits(config: dict, weights: dict) -> np.ndarray:
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
-        model.load_state_dict(weights, strict=False)
-        model.tie_weights()
-        with torch.no_grad():
-            return model.eval()(torch.from_numpy(random_ids(64))).logits[0].numpy()
-
-    small = pruned_config(config, target, list(range(shape.layers)))
-    assert relative_error(logits(small, pruned), logits(config, state)) <= TOLERANCE
+    """Each kept head keeps its own q bias rows: pruning two dead heads changes nothing."""
+    assert dead_heads_pruned_error(qwen2, QWEN2) <= TOLERANCE
 
 
 @pytest.mark.parametrize(

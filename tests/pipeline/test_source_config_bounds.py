@@ -428,10 +428,62 @@ QWEN25_05B_INSTRUCT = {
 }
 
 
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "initializer_range": 0.02,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "model_type": "qwen3",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+MISTRAL_7B_V01 = {
+    "architectures": ["MistralForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mistral",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.34.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32000,
+}
+
+
 @pytest.mark.parametrize(
     "config",
-    [LLAMA_31_405B, LLAMA_32_1B, SMOLLM2_135M, QWEN25_05B_INSTRUCT],
-    ids=["405b", "1b", "smollm2", "qwen2.5-0.5b"],
+    [LLAMA_31_405B, LLAMA_32_1B, SMOLLM2_135M, QWEN25_05B_INSTRUCT, QWEN3_06B, MISTRAL_7B_V01],
+    ids=["405b", "1b", "smollm2", "qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b-v0.1"],
 )
 def test_real_checkpoint_configs_pass(config: dict[str, Any]) -> None:
     check_config(config, "config.json")
