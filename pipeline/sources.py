@@ -48,7 +48,7 @@ from pipeline.config import ModelConfig, check_path_name
 from pipeline.core.artifacts import Artifact, Kind, sha256_file, write_json, write_metadata
 from pipeline.core.engine import TOKENIZER_JSON_MAX_BYTES
 from pipeline.core.errors import SourceError, first_line
-from pipeline.core.families import FAMILIES, supported
+from pipeline.core.families import FAMILIES, family_of, supported
 from pipeline.core.files import (
     UnsafeFileError,
     describe_mode,
@@ -760,26 +760,33 @@ def _find_wheels(folder: Path, requirement: str) -> list[Path]:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize a Llama GGUF into a plain HF safetensors folder with its tokenizer."""
+    """Dequantize a GGUF of a supported family (llama.cpp's architectures ``llama``, ``qwen2``,
+    ``qwen3``, as transformers' GGUF loader reads them) into a plain HF safetensors folder with
+    its tokenizer."""
     import torch
-    import transformers
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to a Hugging Face safetensors folder", gguf_path.name)
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
-        loaded = LlamaForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, trust_remote_code=False
+        )
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
     except ImportError as exc:
         missing = first_line(exc)
         raise SourceError(f"converting {gguf_path.name} needs {missing}: run `pip install -e .`") from None
     except Exception as exc:  # the GGUF reader raises many types for a bad file
         raise SourceError(
-            f"{gguf_path} could not be read as a Llama GGUF ({first_line(exc)}): delete it and rerun"
+            f"{gguf_path} could not be read as a GGUF of {supported()} ({first_line(exc)}): "
+            "delete it and rerun"
         ) from None
     config = loaded.config.to_dict()
     config.pop("quantization_config", None)
-    plain = LlamaForCausalLM(transformers.LlamaConfig.from_dict(config))
+    family_of(config, where=str(gguf_path))  # one line naming the families we build
+    plain = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(**config), dtype=torch.float32, trust_remote_code=False
+    )
     plain.load_state_dict(loaded.state_dict(), strict=True)
     plain.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

@@ -163,3 +163,58 @@ def dead_heads_pruned_error(folder: Path, family: Any) -> float:
 
     small = pruned_config(config, target, list(range(shape.layers)))
     return relative_error(logits(small, pruned), logits(config, state))
+
+
+def write_gguf(folder: Path, out: Path, architecture: str) -> Path:
+    """Write the checkpoint in ``folder`` as a GGUF file of llama.cpp's ``architecture``
+    (``llama``, ``qwen2``, ``qwen3``), in float32, with gguf-py's writer: llama.cpp's tensor
+    names (gguf's own map), its permutation of Llama's q/k rows, and the byte-level BPE tokenizer
+    as ``tokenizer.ggml`` (``gpt2`` model) metadata, as llama.cpp's converter writes them."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    kv_heads = config["num_key_value_heads"]
+    names = gguf.get_tensor_name_map(arch[architecture], layers)
+    writer = gguf.GGUFWriter(str(out), architecture)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"]))
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    special = {token["id"] for token in tokenizer["added_tokens"]}
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if vocab[t] in special else 1 for t in tokens])
+    merges = tokenizer["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_pad_token_id(config["pad_token_id"])
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        array = tensor.float().numpy()
+        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            count = heads if "q_proj" in name else kv_heads  # llama.cpp's rotary pairs rows
+            shape = array.shape
+            array = array.reshape(count, 2, shape[0] // count // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+        mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert mapped is not None, name
+        writer.add_tensor(mapped, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

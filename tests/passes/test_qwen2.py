@@ -29,6 +29,7 @@ from tests.families import (
     random_ids,
     relative_error,
     transformers_logits,
+    write_gguf,
 )
 
 TOLERANCE = 1e-4  # of the logit range (issue 51)
@@ -127,3 +128,21 @@ def test_every_quantized_recipe_builds_a_qwen2_engine(qwen2: Path, tmp_path: Pat
         for key in ("parity", "parity_vs_input_graph"):
             if key in metrics:
                 assert metrics[key].get("finite", True) and metrics[key]["top1_agreement"] >= 0.8, metrics
+
+
+def test_a_qwen2_gguf_converts_to_the_same_model(tmp_path: Path) -> None:
+    """llama.cpp's ``qwen2`` GGUF (written here with gguf-py, float32) becomes a checkpoint that
+    passes the source checks and computes what the original does."""
+    from pipeline.sources import convert_gguf
+
+    source = make_tiny("qwen2", tmp_path / "hf")  # q/k/v biases
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    write_gguf(source, gguf_dir / "tiny.gguf", "qwen2")
+    convert_gguf(gguf_dir / "tiny.gguf", tmp_path / "converted")
+    assert check_hf_llama(tmp_path / "converted")["architecture"] == "Qwen2ForCausalLM"
+    ids = random_ids(128)
+    assert (
+        relative_error(transformers_logits(tmp_path / "converted", ids), transformers_logits(source, ids))
+        <= 1e-6
+    )
