@@ -343,6 +343,25 @@ COMMON_RELATIONS: tuple[Relation, ...] = (
     longrope_factors,
 )
 
+# RoPE types transformers defines that the export cannot trace exactly: longrope switches between
+# its short and long factors on the sequence length (the TorchScript exporter fails on it).
+UNBUILT_ROPE_TYPES = ("longrope",)
+
+
+def rope_refused(config: Mapping[str, Any]) -> str | None:
+    for key, rope in _ropes(config):
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind in UNBUILT_ROPE_TYPES:
+            return (
+                f"{key}.rope_type={shown(kind)}: this build does not export {kind} RoPE yet (its factors "
+                "switch on the sequence length, which the traced graph cannot follow); use a checkpoint "
+                "without it"
+            )
+    return None
+
+
+COMMON_REFUSED: tuple[Relation, ...] = (rope_refused,)
+
 LLAMA = FamilyBounds(
     fields={
         **COMMON_FIELDS,
@@ -353,6 +372,7 @@ LLAMA = FamilyBounds(
     relations=COMMON_RELATIONS,
     # LlamaConfig's defaults of the fields the rules and relations read
     defaults={"vocab_size": 32000, "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32},
+    refused=COMMON_REFUSED,
 )
 
 
@@ -385,7 +405,7 @@ QWEN2 = FamilyBounds(
     relations=COMMON_RELATIONS,
     # Qwen2Config's defaults of the fields the rules and relations read
     defaults={"vocab_size": 151936, "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32},
-    refused=(qwen_window_refused,),
+    refused=(*COMMON_REFUSED, qwen_window_refused),
 )
 
 QWEN3 = FamilyBounds(
@@ -393,7 +413,7 @@ QWEN3 = FamilyBounds(
     relations=COMMON_RELATIONS,
     # Qwen3Config's defaults of the fields the rules and relations read
     defaults={**QWEN2.defaults, "head_dim": 128},
-    refused=(qwen_window_refused,),
+    refused=(*COMMON_REFUSED, qwen_window_refused),
 )
 
 MISTRAL = FamilyBounds(
@@ -404,6 +424,7 @@ MISTRAL = FamilyBounds(
     relations=COMMON_RELATIONS,
     # MistralConfig's defaults of the fields the rules and relations read
     defaults={"vocab_size": 32000, "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32},
+    refused=COMMON_REFUSED,
 )
 
 # model_type -> what its config.json may hold (the families of pipeline/core/families.py).

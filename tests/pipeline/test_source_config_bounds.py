@@ -193,6 +193,18 @@ def test_fields_that_do_not_fit_together_are_one_line(checkpoint: Path, changes:
     assert message.startswith(f"{checkpoint / 'config.json'} has ") and says in message
 
 
+def test_a_rope_type_the_export_cannot_trace_is_refused_in_one_line(checkpoint: Path) -> None:
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}
+    with_config(checkpoint, config_of(checkpoint), rope_parameters=rope)
+    with pytest.raises(SourceError) as error:
+        check_hf_llama(checkpoint)
+    assert str(error.value) == (
+        f"{checkpoint / 'config.json'} has rope_parameters.rope_type='longrope': this build does not "
+        "export longrope RoPE yet (its factors switch on the sequence length, which the traced graph "
+        "cannot follow); use a checkpoint without it"
+    )
+
+
 def test_a_generation_config_token_id_outside_the_vocabulary_is_one_line(checkpoint: Path) -> None:
     """The export reads generation_config.json's eos_token_id before config.json's."""
     path = checkpoint / "generation_config.json"
