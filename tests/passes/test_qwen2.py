@@ -146,3 +146,15 @@ def test_a_qwen2_gguf_converts_to_the_same_model(tmp_path: Path) -> None:
         relative_error(transformers_logits(tmp_path / "converted", ids), transformers_logits(source, ids))
         <= 1e-6
     )
+
+
+def test_yarn_rope_long_context_scaling_is_exact_unfused_and_fused(tmp_path: Path) -> None:
+    """Qwen2.5's long-context RoPE (yarn, past original_max_position_embeddings=1024 here)."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 1e6}
+    source = make_tiny("qwen2", tmp_path / "yarn", rope_parameters=rope)
+    ids = random_ids()
+    reference = transformers_logits(source, ids)
+    graph = run_pass(ExportPass(), Artifact.from_dir(Kind.TORCH, source), tmp_path / "graph")[0]
+    fused = run_pass(FusionPass(), graph, tmp_path / "fused")[0]
+    for artifact in (graph, fused):
+        assert relative_error(onnx_prefill(artifact.path, ids), reference) <= TOLERANCE
