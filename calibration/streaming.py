@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.errors import SourceError
-from pipeline.core.families import family_of
+from pipeline.core.errors import PassError, SourceError
+from pipeline.core.families import family_of, layer_windows
 from pipeline.core.files import loads_bounded
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 
@@ -89,6 +89,21 @@ class _StopForward(Exception):
     pass
 
 
+def check_one_mask(config: dict[str, Any], tokens: int) -> None:
+    """Every block is run with the attention mask caught at block 0. Where the blocks' windows
+    differ (full and sliding layers), that mask is every block's only while a calibration window
+    of ``tokens`` fits in each sliding window (then the sliding mask is the causal one); past
+    that, one line naming the knob to lower."""
+    windows = layer_windows(config)
+    sliding = [size for size in windows if size]
+    if len(set(windows)) > 1 and tokens > min(sliding):
+        raise PassError(
+            f"calibration windows of {tokens} tokens are longer than this model's sliding window of "
+            f"{min(sliding)} positions on some layers, whose attention mask differs from the full layers': "
+            f"set the pass's calibration.seq_len to at most {min(sliding)}"
+        )
+
+
 def capture_first_block_inputs(
     model: Any, windows: np.ndarray, batch_size: int, device: Any = "cpu"
 ) -> LayerInputs:
@@ -98,6 +113,7 @@ def capture_first_block_inputs(
     the final norm and the head may stay on ``meta``."""
     import torch
 
+    check_one_mask(model.config.to_dict(), windows.shape[1])
     layers = model.get_submodule(family_of(model.config).layers)
     original = layers[0]
     captured = LayerInputs([], [])

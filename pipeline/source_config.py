@@ -376,24 +376,6 @@ LLAMA = FamilyBounds(
 )
 
 
-def qwen_window_refused(config: Mapping[str, Any]) -> str | None:
-    """Qwen2's and Qwen3's sliding window (``use_sliding_window``, or a ``sliding_attention``
-    layer, on the layers past ``max_window_layers``) is not built: refused rather than run as
-    full attention."""
-    types = config.get("layer_types") or []
-    if config.get("use_sliding_window") or "sliding_attention" in types:
-        field = (
-            "use_sliding_window=True"
-            if config.get("use_sliding_window")
-            else "a sliding_attention layer_types"
-        )
-        return (
-            f"{field}: this build does not implement Qwen's sliding window yet, and full attention would "
-            "change the model; use a checkpoint without it"
-        )
-    return None
-
-
 QWEN2 = FamilyBounds(
     fields={
         **COMMON_FIELDS,
@@ -405,7 +387,7 @@ QWEN2 = FamilyBounds(
     relations=COMMON_RELATIONS,
     # Qwen2Config's defaults of the fields the rules and relations read
     defaults={"vocab_size": 151936, "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32},
-    refused=(*COMMON_REFUSED, qwen_window_refused),
+    refused=COMMON_REFUSED,
 )
 
 QWEN3 = FamilyBounds(
@@ -413,7 +395,7 @@ QWEN3 = FamilyBounds(
     relations=COMMON_RELATIONS,
     # Qwen3Config's defaults of the fields the rules and relations read
     defaults={**QWEN2.defaults, "head_dim": 128},
-    refused=(*COMMON_REFUSED, qwen_window_refused),
+    refused=COMMON_REFUSED,
 )
 
 MISTRAL = FamilyBounds(

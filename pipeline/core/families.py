@@ -76,10 +76,7 @@ class Family:
     qk_norms: tuple[str, str] | None = None  # per-head RMSNorm of q and k before rotary (Qwen3)
     fixed_biases: tuple[str, ...] = ()  # projections that always carry a bias (Qwen2: q, k, v)
     bias_flags: tuple[str, ...] = ("attention_bias", "mlp_bias")  # config keys that add biases
-    window_key: str | None = None  # the config key of the sliding window (Mistral, Qwen2)
-    # Whether the window applies only to the ``sliding_attention`` layers of ``layer_types``
-    # (Qwen2, Gemma 3); Mistral's transformers class windows every layer and ignores the key.
-    reads_layer_types: bool = False
+    window_key: str | None = None  # the config key of the sliding window (Mistral, Qwen2, Qwen3)
 
     def layer(self, index: int) -> str:
         """The module name of decoder block ``index``: ``model.layers.3``."""
@@ -105,27 +102,26 @@ class Family:
         """A decoder block's two norms, relative to it."""
         return (self.input_norm, self.post_attention_norm)
 
-    def window(self, config: Mapping[str, Any], layer: int) -> int:
-        """The attention window of decoder block ``layer``: it attends to itself and the
-        ``window - 1`` positions before it (transformers' ``sliding_window_overlay``); 0: every
-        position. Where the family reads ``layer_types``, only its ``sliding_attention`` layers."""
-        if self.window_key is None:
-            return 0
-        size = config.get(self.window_key)
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            return 0
-        types = config.get("layer_types")
-        if self.reads_layer_types and isinstance(types, list) and layer < len(types):
-            return size if types[layer] == "sliding_attention" else 0
-        return size
-
 
 def layer_windows(config: Mapping[str, Any], bound: int = 0) -> tuple[int, ...]:
-    """Each decoder block's attention window (0: unbounded): its family's (:meth:`Family.window`),
-    narrowed to ``bound`` where a build sets one (``kv_cache.window``; 0: none)."""
+    """Each decoder block's attention window, as transformers builds the model of ``config``: a
+    block of a windowed family attends to itself and the ``window - 1`` positions before it
+    (``sliding_window_overlay``), on every layer (Mistral) or on the ``sliding_attention`` layers
+    of ``layer_types`` (Qwen2 and Qwen3 past ``max_window_layers`` with ``use_sliding_window``);
+    0: every position. Narrowed to ``bound`` where a build sets one (``kv_cache.window``; 0: none).
+    Read through transformers' own config class, which derives ``layer_types`` and drops a window
+    the config turns off."""
     family = family_of(config)
     layers = int(config.get("num_hidden_layers") or 0)
-    own = (family.window(config, layer) for layer in range(layers))
+    own = [0] * layers
+    if family.window_key is not None:
+        from transformers import AutoConfig
+
+        settled = AutoConfig.for_model(**dict(config))
+        size = getattr(settled, family.window_key, None)
+        size = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 0
+        types = getattr(settled, "layer_types", None)
+        own = [size if types is None or types[i] == "sliding_attention" else 0 for i in range(layers)]
     return tuple(min(size, bound) if size and bound else (size or bound) for size in own)
 
 
@@ -152,14 +148,15 @@ DEFAULT_SMOOTHING = (
 LLAMA = Family(model_type="llama", architectures=("LlamaForCausalLM",), smoothing=DEFAULT_SMOOTHING)
 
 # Qwen2 and Qwen2.5: a Llama block whose q, k and v projections carry a bias (transformers'
-# ``Qwen2Attention``: ``bias=True`` on q/k/v, none on o). Its config's sliding window
-# (``use_sliding_window``) is refused at start-up until the window lands (issue 51, step 3).
+# ``Qwen2Attention``: ``bias=True`` on q/k/v, none on o); with ``use_sliding_window``, the layers
+# from ``max_window_layers`` on attend within ``sliding_window``.
 QWEN2 = Family(
     model_type="qwen2",
     architectures=("Qwen2ForCausalLM",),
     smoothing=DEFAULT_SMOOTHING,
     fixed_biases=("q_proj", "k_proj", "v_proj"),
     bias_flags=(),
+    window_key="sliding_window",
 )
 
 # Mistral: a Llama block with a ``head_dim`` of its own and a sliding window on every layer
@@ -174,14 +171,14 @@ MISTRAL = Family(
 
 # Qwen3: a Llama block with a ``head_dim`` of its own and a per-head RMSNorm of q and k before
 # rotary (transformers' ``Qwen3Attention``: ``q_norm``, ``k_norm`` of ``head_dim`` weights,
-# shared by every head); ``attention_bias`` adds biases to q/k/v/o. Its sliding window is refused
-# at start-up, as Qwen2's.
+# shared by every head); ``attention_bias`` adds biases to q/k/v/o; its window as Qwen2's.
 QWEN3 = Family(
     model_type="qwen3",
     architectures=("Qwen3ForCausalLM",),
     smoothing=DEFAULT_SMOOTHING,
     qk_norms=("q_norm", "k_norm"),
     bias_flags=("attention_bias",),
+    window_key="sliding_window",
 )
 
 FAMILIES: Mapping[str, Family] = MappingProxyType(

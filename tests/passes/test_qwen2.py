@@ -15,8 +15,8 @@ import pytest
 from passes.export import ExportPass
 from passes.fusion.fuse import FusionPass
 from pipeline.core.artifacts import Artifact, Kind
-from pipeline.core.errors import SourceError
-from pipeline.core.families import QWEN2, family_of
+from pipeline.core.errors import PassError
+from pipeline.core.families import QWEN2, family_of, layer_windows
 from pipeline.sources import check_hf_llama
 from tests.conftest import run_pass
 from tests.families import (
@@ -61,25 +61,50 @@ def test_a_qwen2_checkpoint_is_a_source_of_the_qwen2_family(qwen2: Path) -> None
     assert check_hf_llama(qwen2)["architecture"] == "Qwen2ForCausalLM"
 
 
-@pytest.mark.parametrize(
-    ("change", "needle"),
-    [
-        ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=True: this build does not"),
-        ({"layer_types": ["full_attention", "sliding_attention"]}, "a sliding_attention layer_types"),
-    ],
-)
-def test_a_sliding_window_is_refused_until_it_is_built(
-    qwen2: Path, tmp_path: Path, change: dict, needle: str
-) -> None:
-    import shutil
+def test_sliding_layers_past_max_window_layers_are_exact_unfused_and_fused(tmp_path: Path) -> None:
+    """use_sliding_window with max_window_layers=1: layer 0 attends to every position, layer 1
+    within 64; the export and the fused graph (each GroupQueryAttention its own window) match
+    transformers over 2048 positions, and the fused decode past the window too."""
+    import onnx
 
-    folder = tmp_path / "windowed"
-    shutil.copytree(qwen2, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, **change}))
-    with pytest.raises(SourceError, match=needle) as raised:
-        check_hf_llama(folder)
-    assert "\n" not in str(raised.value)
+    source = make_tiny(
+        "qwen2", tmp_path / "windowed", use_sliding_window=True, sliding_window=64, max_window_layers=1
+    )
+    assert layer_windows(json.loads((source / "config.json").read_text())) == (0, 64)
+    ids = random_ids()
+    reference = transformers_logits(source, ids)
+    graph = run_pass(ExportPass(), Artifact.from_dir(Kind.TORCH, source), tmp_path / "graph")[0]
+    fused = run_pass(FusionPass(), graph, tmp_path / "fused")[0]
+    nodes = onnx.load(str(fused.path / "model.onnx"), load_external_data=False).graph.node
+    windows = [
+        onnx.helper.get_attribute_value(a)
+        for n in nodes
+        if n.op_type == "GroupQueryAttention"
+        for a in n.attribute
+        if a.name == "local_window_size"
+    ]
+    assert windows == [-1, 64]
+    for artifact in (graph, fused):
+        assert relative_error(onnx_prefill(artifact.path, ids), reference) <= TOLERANCE
+    decoded = onnx_decode(fused.path, ids, PARITY_POSITIONS - 16)
+    assert relative_error(decoded, reference[-16:]) <= TOLERANCE
+
+
+def test_calibration_longer_than_a_sliding_window_of_some_layers_is_one_line(tmp_path: Path) -> None:
+    """Blocks are calibrated with block 0's mask: exact for every block only while a calibration
+    window fits in the sliding one; a longer one is refused, a shorter one builds."""
+    source = make_tiny(
+        "qwen2", tmp_path / "windowed", use_sliding_window=True, sliding_window=64, max_window_layers=1
+    )
+    with pytest.raises(PassError) as error:
+        build(["quant=int8", "quant.calibration.seq_len=128"], source, tmp_path / "long")
+    assert str(error.value) == (
+        "calibration windows of 128 tokens are longer than this model's sliding window of 64 positions "
+        "on some layers, whose attention mask differs from the full layers': set the pass's "
+        "calibration.seq_len to at most 64"
+    )
+    engine, _ = build(["quant=int8", "quant.calibration.seq_len=64"], source, tmp_path / "short")
+    assert engine.kind is Kind.ENGINE
 
 
 def test_the_export_matches_transformers_over_2048_positions(graph: Artifact, reference: np.ndarray) -> None:

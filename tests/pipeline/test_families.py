@@ -10,7 +10,15 @@ import pytest
 
 from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.errors import SourceError
-from pipeline.core.families import FAMILIES, LLAMA, SMOOTHING_KINDS, family_of, head_dim, supported
+from pipeline.core.families import (
+    FAMILIES,
+    LLAMA,
+    SMOOTHING_KINDS,
+    family_of,
+    head_dim,
+    layer_windows,
+    supported,
+)
 from pipeline.core.planned_model import PlannedModel
 
 # Llama's smoothing groups of a decoder block, as SmoothQuant and AWQ have grouped them since
@@ -74,7 +82,14 @@ def test_head_dim_is_the_configs_or_the_quotient(config: dict, expected: int) ->
 
 
 def test_the_window_of_a_layer_follows_the_config() -> None:
-    assert LLAMA.window({"sliding_window": 4096}, 0) == 0  # Llama has none, whatever the config says
+    llama = {"model_type": "llama", "num_hidden_layers": 2, "sliding_window": 4096}
+    assert layer_windows(llama) == (0, 0)  # Llama has none, whatever the config says
+    assert layer_windows(llama, 16) == (16, 16)  # kv_cache.window
+    qwen2 = {"model_type": "qwen2", "num_hidden_layers": 3, "sliding_window": 64, "max_window_layers": 1}
+    assert layer_windows(qwen2) == (0, 0, 0)  # use_sliding_window is false by default
+    assert layer_windows({**qwen2, "use_sliding_window": True}) == (0, 64, 64)
+    assert layer_windows({**qwen2, "use_sliding_window": True}, 16) == (16, 16, 16)
+    assert layer_windows({"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 8}) == (8, 8)
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", None, 7, "LLAMA"])
