@@ -326,8 +326,15 @@ def pruned_config(config: dict[str, Any], target: Shape, layers: list[int]) -> d
         head_dim=target.head_dim,  # explicit: hidden / heads no longer gives it
         num_hidden_layers=target.layers,
     )
-    if isinstance(config.get("layer_types"), list):
-        pruned["layer_types"] = [config["layer_types"][i] for i in layers]
+    types = config.get("layer_types")
+    if not isinstance(types, list) and family_of(config).window_key is not None:
+        # Derived by transformers from the layer count (Qwen2's max_window_layers): written out,
+        # so the kept layers keep their own types after depth pruning renumbers them.
+        from transformers import AutoConfig
+
+        types = getattr(AutoConfig.for_model(**config), "layer_types", None)
+    if isinstance(types, list):
+        pruned["layer_types"] = [types[i] for i in layers]
     return pruned
 
 

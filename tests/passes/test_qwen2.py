@@ -14,6 +14,7 @@ import pytest
 
 from passes.export import ExportPass
 from passes.fusion.fuse import FusionPass
+from passes.prune import Shape, pruned_config
 from pipeline.core.artifacts import Artifact, Kind
 from pipeline.core.errors import PassError
 from pipeline.core.families import QWEN2, family_of, layer_windows
@@ -33,6 +34,7 @@ from tests.families import (
 )
 
 TOLERANCE = 1e-4  # of the logit range (issue 51)
+WINDOWED = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +185,12 @@ def test_yarn_rope_long_context_scaling_is_exact_unfused_and_fused(tmp_path: Pat
     fused = run_pass(FusionPass(), graph, tmp_path / "fused")[0]
     for artifact in (graph, fused):
         assert relative_error(onnx_prefill(artifact.path, ids), reference) <= TOLERANCE
+
+
+def test_depth_pruning_keeps_each_kept_layers_window() -> None:
+    """Layer types derived from max_window_layers are written out before the layers renumber:
+    keeping layers 0 and 2 of (full, full, sliding) keeps (full, sliding)."""
+    config = {**json.loads(json.dumps(WINDOWED)), "num_hidden_layers": 3, "max_window_layers": 2}
+    assert layer_windows(config) == (0, 0, 64)
+    target = Shape(64, 128, 4, 2, 16, 2)
+    assert layer_windows(pruned_config(config, target, [0, 2])) == (0, 64)
