@@ -78,6 +78,7 @@ from pipeline.core.graph_io import (
     save_graph,
 )
 from pipeline.core.planned_model import PlannedModel
+from pipeline.runtime.ort import int8_kernels_saturate
 from pipeline.runtime.parity import PARITY_PROMPT_TEXT, compare_graphs
 
 log = logging.getLogger(__name__)
@@ -301,7 +302,14 @@ class Int8QDQPass(Pass):
                 f"({json.dumps(found)}); the rest would run as slow fp32 simulation "
                 "(quant.check_lowering=false keeps it anyway)"
             )
-        return {"vs_input": vs_input, "ort_kernels": found, "dequantize_left": kernels["DequantizeLinear"]}
+        metrics = {"vs_input": vs_input, "ort_kernels": found, "dequantize_left": kernels["DequantizeLinear"]}
+        if integer and int8_kernels_saturate():
+            log.warning(
+                "int8: this CPU has no VNNI, so ONNX Runtime's int8 kernels saturate on it: the "
+                "engine is less accurate here (and judged so by the gate) than on a CPU with VNNI"
+            )
+            metrics["host_int8_saturates"] = True
+        return metrics
 
 
 __all__ = ["Int8QDQConfig", "Int8QDQPass"]
