@@ -759,6 +759,30 @@ def _find_wheels(folder: Path, requirement: str) -> list[Path]:
     return sorted(folder.glob(f"{name}-{version}*.whl"))
 
 
+# llama.cpp's general.architecture of the families we build (transformers maps "llama" with
+# "mistral" in general.name to Mistral).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+def gguf_architecture(gguf_path: Path) -> str:
+    """A GGUF's ``general.architecture``, from its header (gguf-py's reader maps the file and
+    reads no tensor data); one line where it is not a GGUF."""
+    try:
+        import gguf
+
+        field = gguf.GGUFReader(str(gguf_path)).get_field("general.architecture")
+        return str(field.contents()) if field is not None else "none"
+    except ImportError as exc:
+        raise SourceError(
+            f"reading {gguf_path.name} needs {first_line(exc)}: run `pip install -e .`"
+        ) from None
+    except Exception as exc:  # the reader raises many types for a bad file
+        raise SourceError(
+            f"{gguf_path} could not be read as a GGUF of {supported()} ({first_line(exc)}): "
+            "delete it and rerun"
+        ) from None
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize a GGUF of a supported family (llama.cpp's architectures ``llama``, ``qwen2``,
     ``qwen3``, as transformers' GGUF loader reads them) into a plain HF safetensors folder with
@@ -768,6 +792,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     log.info("converting %s to a Hugging Face safetensors folder", gguf_path.name)
     folder, name = str(gguf_path.parent), gguf_path.name
+    architecture = gguf_architecture(gguf_path)  # before the whole file is dequantized
+    if architecture not in GGUF_ARCHITECTURES:
+        raise SourceError(
+            f"{gguf_path} holds llama.cpp architecture {architecture!r}: the GGUFs converted are "
+            f"{', '.join(GGUF_ARCHITECTURES)} ({supported()})"
+        )
     try:
         loaded = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, dtype=torch.float32, trust_remote_code=False

@@ -69,31 +69,30 @@ def transformers_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
         return model(torch.from_numpy(ids)).logits[0].numpy()
 
 
-def onnx_prefill(graph: Path, ids: np.ndarray) -> np.ndarray:
-    """ONNX Runtime's logits of one prefill of ``ids`` through the graph or engine folder."""
+def _session(folder: Path) -> Any:
+    """An ONNX Runtime session of a graph folder, or of an engine folder as the runtime opens it
+    (its cache layout and buffer)."""
     from pipeline.core.engine import graph_io
     from pipeline.core.graph_io import model_file
-    from pipeline.runtime.ort import OrtModel
+    from pipeline.runtime.ort import Engine, OrtModel
 
-    model = OrtModel(graph / model_file(graph), graph_io(graph), prepack=False)
-    logits, _ = model.step(
-        ids, np.ones_like(ids), np.arange(ids.shape[1], dtype=np.int64)[None], model.empty_cache(1)
-    )
+    if (folder / "engine.json").is_file():
+        return Engine(folder, speculative=False, prepack=False).model
+    return OrtModel(folder / model_file(folder), graph_io(folder), prepack=False)
+
+
+def onnx_prefill(graph: Path, ids: np.ndarray) -> np.ndarray:
+    """ONNX Runtime's logits of one prefill of ``ids`` through the graph or engine folder."""
+    model = _session(graph)
+    positions = np.arange(ids.shape[1], dtype=np.int64)[None]
+    logits, _ = model.step(ids, np.ones_like(ids), positions, model.empty_cache(1))
     return np.asarray(logits[0], dtype=np.float32)
 
 
 def onnx_decode(graph: Path, ids: np.ndarray, prefill: int) -> np.ndarray:
     """ONNX Runtime's logits of the last ``len - prefill`` positions of ``ids``, fed one token at a
-    time through the cache after a prefill of the first ``prefill``, in a session of the graph
-    folder, or of the engine folder as the runtime opens it (its cache layout and buffer)."""
-    from pipeline.core.engine import graph_io
-    from pipeline.core.graph_io import model_file
-    from pipeline.runtime.ort import Engine, OrtModel
-
-    if (graph / "engine.json").is_file():
-        model = Engine(graph, speculative=False, prepack=False).model
-    else:
-        model = OrtModel(graph / model_file(graph), graph_io(graph), prepack=False)
+    time through the cache after a prefill of the first ``prefill`` (graph or engine folder)."""
+    model = _session(graph)
     head = ids[:, :prefill]
     positions = np.arange(prefill, dtype=np.int64)[None]
     out, cache = model.step(head, np.ones_like(head), positions, model.empty_cache(1))

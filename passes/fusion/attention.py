@@ -285,22 +285,26 @@ def expose_head_norms(graph: ir.Graph) -> int:
     return exposed
 
 
-def set_layer_windows(graph: ir.Graph, windows: tuple[int, ...]) -> int:
+def set_layer_windows(graph: ir.Graph, windows: tuple[int, ...]) -> list[str]:
     """Give each layer's ``GroupQueryAttention`` its own ``local_window_size``: ``windows[i]``
-    for the kernel reading ``past_key_values.{i}.key`` (0: none, -1 for the kernel); the rule
-    itself sets one window for all. Returns the kernels given a window."""
-    windowed = 0
+    for the kernel whose past key is the graph input ``past_key_values.{i}.key`` (through a
+    ``Cast``, as an fp16 graph with fp32 IO has it); 0: none, -1 for the kernel. The rule itself
+    sets one window for all. Returns the kernels whose layer could not be told (none where every
+    layer's window is set)."""
+    unknown = []
     for node in graph:
         if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
             continue
-        past = node.inputs[3].name or "" if len(node.inputs) > 3 and node.inputs[3] is not None else ""
-        match = re.fullmatch(r"past_key_values\.(\d+)\.key", past)
+        past = node.inputs[3] if len(node.inputs) > 3 else None
+        while past is not None and past.producer() is not None and past.producer().op_type == "Cast":
+            past = past.producer().inputs[0]
+        match = re.fullmatch(r"past_key_values\.(\d+)\.key", (past.name or "") if past is not None else "")
         if match is None or int(match.group(1)) >= len(windows):
+            unknown.append(node.name or "GroupQueryAttention")
             continue
         size = windows[int(match.group(1))]
         node.attributes["local_window_size"] = ir.AttrInt64("local_window_size", size or -1)
-        windowed += bool(size)
-    return windowed
+    return unknown
 
 
 def attention_rules(

@@ -148,7 +148,13 @@ def _attention(model: Any, facts: ModelFacts) -> int:
     count = rules.apply_to_model(model)
     if count:
         reroute_cache_outputs(model.graph)
-        set_layer_windows(model.graph, facts.windows)
+        unknown = set_layer_windows(model.graph, facts.windows)
+        if unknown and any(size != facts.window for size in facts.windows):  # the rule's own is wrong
+            raise PassError(
+                f"fusion: cannot tell which layer's window {unknown[0]} takes (its past key is not a "
+                "past_key_values.<layer>.key input); the model's layers have sliding windows: rebuild "
+                "without fusion"
+            )
     return count
 
 

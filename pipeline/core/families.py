@@ -77,6 +77,12 @@ class Family:
     fixed_biases: tuple[str, ...] = ()  # projections that always carry a bias (Qwen2: q, k, v)
     bias_flags: tuple[str, ...] = ("attention_bias", "mlp_bias")  # config keys that add biases
     window_key: str | None = None  # the config key of the sliding window (Mistral, Qwen2, Qwen3)
+    # Whether the window applies to the ``sliding_attention`` layers of ``layer_types`` only
+    # (Qwen2, Qwen3); Mistral's model windows every layer and ignores a ``layer_types`` key.
+    per_layer_types: bool = False
+    # ``head_dim`` where the config leaves it out and the family's default is not the quotient
+    # hidden_size / num_attention_heads (Qwen3Config: 128).
+    default_head_dim: int | None = None
 
     def layer(self, index: int) -> str:
         """The module name of decoder block ``index``: ``model.layers.3``."""
@@ -111,24 +117,29 @@ def layer_windows(config: Mapping[str, Any], bound: int = 0) -> tuple[int, ...]:
     0: every position. Narrowed to ``bound`` where a build sets one (``kv_cache.window``; 0: none).
     Read through transformers' own config class, which derives ``layer_types`` and drops a window
     the config turns off."""
+    from transformers import AutoConfig
+
     family = family_of(config)
-    layers = int(config.get("num_hidden_layers") or 0)
+    settled = AutoConfig.for_model(**dict(config))
+    layers = int(settled.num_hidden_layers)  # transformers' default where the config leaves it out
     own = [0] * layers
     if family.window_key is not None:
-        from transformers import AutoConfig
-
-        settled = AutoConfig.for_model(**dict(config))
         size = getattr(settled, family.window_key, None)
         size = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 0
-        types = getattr(settled, "layer_types", None)
+        types = getattr(settled, "layer_types", None) if family.per_layer_types else None
         own = [size if types is None or types[i] == "sliding_attention" else 0 for i in range(layers)]
     return tuple(min(size, bound) if size and bound else (size or bound) for size in own)
 
 
 def head_dim(config: Mapping[str, Any]) -> int:
     """The width of one attention head: ``head_dim`` where the config sets it (Qwen3's differs
-    from ``hidden_size / num_attention_heads``), else that quotient."""
-    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    from ``hidden_size / num_attention_heads``), else its family's default, else that quotient."""
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    family = FAMILIES.get(config.get("model_type"))  # type: ignore[arg-type]
+    if family is not None and family.default_head_dim:
+        return family.default_head_dim
+    return int(config["hidden_size"] // config["num_attention_heads"])
 
 
 # Llama's, and llm-compressor's default for Mistral, Qwen2 and Qwen3 as well.
@@ -157,6 +168,7 @@ QWEN2 = Family(
     fixed_biases=("q_proj", "k_proj", "v_proj"),
     bias_flags=(),
     window_key="sliding_window",
+    per_layer_types=True,
 )
 
 # Mistral: a Llama block with a ``head_dim`` of its own and a sliding window on every layer
@@ -179,6 +191,8 @@ QWEN3 = Family(
     qk_norms=("q_norm", "k_norm"),
     bias_flags=("attention_bias",),
     window_key="sliding_window",
+    per_layer_types=True,
+    default_head_dim=128,
 )
 
 FAMILIES: Mapping[str, Family] = MappingProxyType(

@@ -90,6 +90,12 @@ def test_sliding_layers_past_max_window_layers_are_exact_unfused_and_fused(tmp_p
         assert relative_error(onnx_prefill(artifact.path, ids), reference) <= TOLERANCE
     decoded = onnx_decode(fused.path, ids, PARITY_POSITIONS - 16)
     assert relative_error(decoded, reference[-16:]) <= TOLERANCE
+    # One window-sized shared buffer for both layers (kv_cache.window=64): the full layer 0 is then
+    # windowed too, by the build's choice, so it is compared with the same engine's prefill.
+    engine, _ = build(["kv_cache=shared", "kv_cache.window=64", "fusion=ort"], source, tmp_path / "shared")
+    windowed = onnx_decode(engine.path, ids, PARITY_POSITIONS - 16)
+    whole = onnx_prefill(engine.path, ids)
+    assert relative_error(windowed, whole[-16:]) <= TOLERANCE
 
 
 def test_calibration_longer_than_a_sliding_window_of_some_layers_is_one_line(tmp_path: Path) -> None:

@@ -128,3 +128,24 @@ def test_a_qwen3_gguf_converts_to_the_same_model(tmp_path: Path) -> None:
         relative_error(transformers_logits(tmp_path / "converted", ids), transformers_logits(source, ids))
         <= 1e-6
     )
+
+
+def test_a_gguf_of_another_family_is_refused_before_it_is_loaded(tmp_path: Path) -> None:
+    import gguf
+
+    from pipeline.core.errors import SourceError
+    from pipeline.sources import convert_gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "gemma3")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(SourceError) as error:
+        convert_gguf(tmp_path / "other.gguf", tmp_path / "converted")
+    assert str(error.value) == (
+        f"{tmp_path / 'other.gguf'} holds llama.cpp architecture 'gemma3': the GGUFs converted are llama, "
+        "qwen2, qwen3 (Llama (LlamaForCausalLM), Qwen2 (Qwen2ForCausalLM), Mistral (MistralForCausalLM), "
+        "Qwen3 (Qwen3ForCausalLM))"
+    )
+    assert not (tmp_path / "converted").exists()

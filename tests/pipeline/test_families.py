@@ -89,7 +89,18 @@ def test_the_window_of_a_layer_follows_the_config() -> None:
     assert layer_windows(qwen2) == (0, 0, 0)  # use_sliding_window is false by default
     assert layer_windows({**qwen2, "use_sliding_window": True}) == (0, 64, 64)
     assert layer_windows({**qwen2, "use_sliding_window": True}, 16) == (16, 16, 16)
-    assert layer_windows({"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 8}) == (8, 8)
+    mistral = {"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 8}
+    assert layer_windows(mistral) == (8, 8)
+    # MistralModel windows every layer and ignores layer_types (transformers warns)
+    assert layer_windows({**mistral, "layer_types": ["full_attention", "sliding_attention"]}) == (8, 8)
+    assert layer_windows({"model_type": "mistral", "sliding_window": 8}) == (8,) * 32  # transformers' default
+
+
+def test_head_dim_defaults_to_the_familys_own() -> None:
+    assert (
+        head_dim({"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4}) == 128
+    )  # Qwen3Config
+    assert head_dim({"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4}) == 16
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", None, 7, "LLAMA"])
