@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from tests.conftest import make_tokenizer
 
@@ -217,3 +218,47 @@ def write_gguf(folder: Path, out: Path, architecture: str) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+# Module fixtures a family's test file imports; each file defines ``checkpoint``, its tiny model.
+@pytest.fixture(scope="module")
+def graph(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The checkpoint's export (the real pass, through the pass manager)."""
+    from passes.export import ExportPass
+    from pipeline.core.artifacts import Artifact, Kind
+    from tests.conftest import run_pass
+
+    return run_pass(
+        ExportPass(), Artifact.from_dir(Kind.TORCH, checkpoint), tmp_path_factory.mktemp("graph")
+    )[0]
+
+
+@pytest.fixture(scope="module")
+def fused(graph: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Any]]:
+    """The export fused for ONNX Runtime, and the fusion pass's record."""
+    from passes.fusion.fuse import FusionPass
+    from tests.conftest import run_pass
+
+    return run_pass(FusionPass(), graph, tmp_path_factory.mktemp("fused"))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> np.ndarray:
+    """transformers' logits of the checkpoint over the 2048 parity positions."""
+    return transformers_logits(checkpoint, random_ids())
+
+
+def assert_built(engine: Any, by_name: dict[str, dict[str, Any]], packed_qkv: int | None = None) -> None:
+    """A recipe's engine was built, fused with both layers' GroupQueryAttention (``packed_qkv``
+    sites packed, where given), and every parity a pass recorded is finite with top-1 >= 0.8."""
+    from pipeline.core.artifacts import Kind
+
+    assert engine.kind is Kind.ENGINE
+    if "fusion" in by_name:
+        assert by_name["fusion"]["rewrites"]["group_query_attention"] == 2
+        if packed_qkv is not None:
+            assert by_name["fusion"]["rewrites"]["packed_qkv"] == packed_qkv
+    for metrics in by_name.values():
+        for key in ("parity", "parity_vs_input_graph"):
+            if key in metrics:
+                assert metrics[key].get("finite", True) and metrics[key]["top1_agreement"] >= 0.8, metrics

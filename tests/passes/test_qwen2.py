@@ -22,6 +22,7 @@ from pipeline.sources import check_hf_llama
 from tests.conftest import run_pass
 from tests.families import (
     PARITY_POSITIONS,
+    assert_built,
     build,
     dead_heads_pruned_error,
     make_tiny,
@@ -38,29 +39,14 @@ WINDOWED = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window":
 
 
 @pytest.fixture(scope="module")
-def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
 
 
-@pytest.fixture(scope="module")
-def graph(qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> Artifact:
-    return run_pass(ExportPass(), Artifact.from_dir(Kind.TORCH, qwen2), tmp_path_factory.mktemp("graph"))[0]
-
-
-@pytest.fixture(scope="module")
-def fused(graph: Artifact, tmp_path_factory: pytest.TempPathFactory) -> tuple[Artifact, dict]:
-    return run_pass(FusionPass(), graph, tmp_path_factory.mktemp("fused"))
-
-
-@pytest.fixture(scope="module")
-def reference(qwen2: Path) -> np.ndarray:
-    return transformers_logits(qwen2, random_ids())
-
-
-def test_a_qwen2_checkpoint_is_a_source_of_the_qwen2_family(qwen2: Path) -> None:
-    config = json.loads((qwen2 / "config.json").read_text())
+def test_a_qwen2_checkpoint_is_a_source_of_the_qwen2_family(checkpoint: Path) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
     assert family_of(config) is QWEN2
-    assert check_hf_llama(qwen2)["architecture"] == "Qwen2ForCausalLM"
+    assert check_hf_llama(checkpoint)["architecture"] == "Qwen2ForCausalLM"
 
 
 def test_sliding_layers_past_max_window_layers_are_exact_unfused_and_fused(tmp_path: Path) -> None:
@@ -135,9 +121,9 @@ def test_the_fused_decode_matches_its_prefill(fused: tuple[Artifact, dict], refe
     assert relative_error(decoded, reference[-steps:]) <= TOLERANCE
 
 
-def test_prune_slices_the_biases_with_their_heads(qwen2: Path) -> None:
+def test_prune_slices_the_biases_with_their_heads(checkpoint: Path) -> None:
     """Each kept head keeps its own q bias rows: pruning two dead heads changes nothing."""
-    assert dead_heads_pruned_error(qwen2, QWEN2) <= TOLERANCE
+    assert dead_heads_pruned_error(checkpoint, QWEN2) <= TOLERANCE
 
 
 @pytest.mark.parametrize(
@@ -150,17 +136,11 @@ def test_prune_slices_the_biases_with_their_heads(qwen2: Path) -> None:
     ],
     ids=lambda recipe: recipe[0].removeprefix("quant="),
 )
-def test_every_quantized_recipe_builds_a_qwen2_engine(qwen2: Path, tmp_path: Path, recipe: list[str]) -> None:
-    engine, by_name = build(recipe, qwen2, tmp_path)
-    assert engine.kind is Kind.ENGINE
-    if "fusion" in by_name:
-        assert by_name["fusion"]["rewrites"]["group_query_attention"] == 2
-        packed = by_name["fusion"]["rewrites"]["packed_qkv"]
-        assert packed == (2 if "int4" in recipe[0] else 0)  # Q/DQ projections are not packed
-    for metrics in by_name.values():
-        for key in ("parity", "parity_vs_input_graph"):
-            if key in metrics:
-                assert metrics[key].get("finite", True) and metrics[key]["top1_agreement"] >= 0.8, metrics
+def test_every_quantized_recipe_builds_a_qwen2_engine(
+    checkpoint: Path, tmp_path: Path, recipe: list[str]
+) -> None:
+    engine, by_name = build(recipe, checkpoint, tmp_path)
+    assert_built(engine, by_name, packed_qkv=2 if "int4" in recipe[0] else 0)  # Q/DQ is not packed
 
 
 def test_a_qwen2_gguf_converts_to_the_same_model(tmp_path: Path) -> None:

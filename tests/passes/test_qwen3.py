@@ -13,14 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from passes.export import ExportPass
-from passes.fusion.fuse import FusionPass
-from pipeline.core.artifacts import Artifact, Kind
+from pipeline.core.artifacts import Artifact
 from pipeline.core.families import QWEN3, family_of
 from pipeline.sources import check_hf_llama
-from tests.conftest import run_pass
 from tests.families import (
     PARITY_POSITIONS,
+    assert_built,
     build,
     dead_heads_pruned_error,
     make_tiny,
@@ -36,29 +34,14 @@ TOLERANCE = 1e-4  # of the logit range (issue 51)
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny("qwen3", tmp_path_factory.mktemp("tiny-qwen3"), head_dim=32)
 
 
-@pytest.fixture(scope="module")
-def graph(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Artifact:
-    return run_pass(ExportPass(), Artifact.from_dir(Kind.TORCH, qwen3), tmp_path_factory.mktemp("graph"))[0]
-
-
-@pytest.fixture(scope="module")
-def fused(graph: Artifact, tmp_path_factory: pytest.TempPathFactory) -> tuple[Artifact, dict]:
-    return run_pass(FusionPass(), graph, tmp_path_factory.mktemp("fused"))
-
-
-@pytest.fixture(scope="module")
-def reference(qwen3: Path) -> np.ndarray:
-    return transformers_logits(qwen3, random_ids())
-
-
-def test_a_qwen3_checkpoint_is_a_source_of_the_qwen3_family(qwen3: Path) -> None:
-    config = json.loads((qwen3 / "config.json").read_text())
+def test_a_qwen3_checkpoint_is_a_source_of_the_qwen3_family(checkpoint: Path) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
     assert family_of(config) is QWEN3 and config["head_dim"] == 32
-    assert check_hf_llama(qwen3)["architecture"] == "Qwen3ForCausalLM"
+    assert check_hf_llama(checkpoint)["architecture"] == "Qwen3ForCausalLM"
 
 
 def test_the_export_matches_transformers_over_2048_positions(graph: Artifact, reference: np.ndarray) -> None:
@@ -84,8 +67,8 @@ def test_the_fused_decode_matches_its_prefill(fused: tuple[Artifact, dict], refe
     assert relative_error(decoded, reference[-steps:]) <= TOLERANCE
 
 
-def test_prune_keeps_the_shared_qk_norms(qwen3: Path) -> None:
-    assert dead_heads_pruned_error(qwen3, QWEN3) <= TOLERANCE
+def test_prune_keeps_the_shared_qk_norms(checkpoint: Path) -> None:
+    assert dead_heads_pruned_error(checkpoint, QWEN3) <= TOLERANCE
 
 
 @pytest.mark.parametrize(
@@ -99,15 +82,11 @@ def test_prune_keeps_the_shared_qk_norms(qwen3: Path) -> None:
     ],
     ids=["int8", "int4_awq", "int4_gptq", "fp8", "int8-kv"],
 )
-def test_every_quantized_recipe_builds_a_qwen3_engine(qwen3: Path, tmp_path: Path, recipe: list[str]) -> None:
-    engine, by_name = build(recipe, qwen3, tmp_path)
-    assert engine.kind is Kind.ENGINE
-    if "fusion" in by_name:
-        assert by_name["fusion"]["rewrites"]["group_query_attention"] == 2
-    for metrics in by_name.values():
-        for key in ("parity", "parity_vs_input_graph"):
-            if key in metrics:
-                assert metrics[key].get("finite", True) and metrics[key]["top1_agreement"] >= 0.8, metrics
+def test_every_quantized_recipe_builds_a_qwen3_engine(
+    checkpoint: Path, tmp_path: Path, recipe: list[str]
+) -> None:
+    engine, by_name = build(recipe, checkpoint, tmp_path)
+    assert_built(engine, by_name)
 
 
 def test_a_qwen3_gguf_converts_to_the_same_model(tmp_path: Path) -> None:
