@@ -28,6 +28,14 @@ TINY = dict(
     pad_token_id=0,
 )
 PARITY_POSITIONS = 2048
+# The recipes every family builds end to end (test id -> Hydra overrides of the real configs).
+QUANT_RECIPES = {
+    "int8": ["quant=int8", "fusion=ort"],
+    "int4_awq": ["quant=int4_awq", "fusion=ort"],
+    "int4_gptq": ["quant=int4_gptq", "fusion=ort"],
+    "fp8": ["quant=fp8"],
+    "int8-kv": ["kv_cache=shared", "kv_cache.dtype=int8", "fusion=ort"],
+}
 
 
 def make_tiny(model_type: str, folder: Path, seed: int = 0, **overrides: Any) -> Path:

@@ -24,6 +24,7 @@ from pipeline.sources import check_hf_llama
 from tests.conftest import run_pass
 from tests.families import (
     PARITY_POSITIONS,
+    QUANT_RECIPES,
     assert_built,
     build,
     make_tiny,
@@ -117,17 +118,7 @@ def test_heads_the_fused_kernel_cannot_take_stay_unfused_and_the_record_says_why
     assert relative_error(onnx_prefill(fused.path, ids), transformers_logits(source, ids)) <= TOLERANCE
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        ["quant=int8", "fusion=ort"],
-        ["quant=int4_awq", "fusion=ort"],
-        ["quant=int4_gptq", "fusion=ort"],
-        ["quant=fp8"],
-        ["kv_cache=shared", "kv_cache.dtype=int8", "fusion=ort"],
-    ],
-    ids=["int8", "int4_awq", "int4_gptq", "fp8", "int8-kv"],
-)
+@pytest.mark.parametrize("recipe", list(QUANT_RECIPES.values()), ids=list(QUANT_RECIPES))
 def test_every_quantized_recipe_builds_a_mistral_engine(
     checkpoint: Path, tmp_path: Path, recipe: list[str]
 ) -> None:

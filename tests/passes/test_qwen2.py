@@ -22,6 +22,7 @@ from pipeline.sources import check_hf_llama
 from tests.conftest import run_pass
 from tests.families import (
     PARITY_POSITIONS,
+    QUANT_RECIPES,
     assert_built,
     build,
     dead_heads_pruned_error,
@@ -126,16 +127,7 @@ def test_prune_slices_the_biases_with_their_heads(checkpoint: Path) -> None:
     assert dead_heads_pruned_error(checkpoint, QWEN2) <= TOLERANCE
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        ["quant=int8", "fusion=ort"],
-        ["quant=int4_awq", "fusion=ort"],
-        ["quant=int4_gptq", "fusion=ort"],
-        ["quant=fp8"],
-    ],
-    ids=lambda recipe: recipe[0].removeprefix("quant="),
-)
+@pytest.mark.parametrize("recipe", list(QUANT_RECIPES.values())[:4], ids=list(QUANT_RECIPES)[:4])
 def test_every_quantized_recipe_builds_a_qwen2_engine(
     checkpoint: Path, tmp_path: Path, recipe: list[str]
 ) -> None:

@@ -18,6 +18,7 @@ from pipeline.core.families import QWEN3, family_of
 from pipeline.sources import check_hf_llama
 from tests.families import (
     PARITY_POSITIONS,
+    QUANT_RECIPES,
     assert_built,
     build,
     dead_heads_pruned_error,
@@ -71,17 +72,7 @@ def test_prune_keeps_the_shared_qk_norms(checkpoint: Path) -> None:
     assert dead_heads_pruned_error(checkpoint, QWEN3) <= TOLERANCE
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        ["quant=int8", "fusion=ort"],
-        ["quant=int4_awq", "fusion=ort"],
-        ["quant=int4_gptq", "fusion=ort"],
-        ["quant=fp8"],
-        ["kv_cache=shared", "kv_cache.dtype=int8", "fusion=ort"],
-    ],
-    ids=["int8", "int4_awq", "int4_gptq", "fp8", "int8-kv"],
-)
+@pytest.mark.parametrize("recipe", list(QUANT_RECIPES.values()), ids=list(QUANT_RECIPES))
 def test_every_quantized_recipe_builds_a_qwen3_engine(
     checkpoint: Path, tmp_path: Path, recipe: list[str]
 ) -> None:
