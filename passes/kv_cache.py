@@ -142,7 +142,7 @@ class KvCachePass(CalibratesOnWindows, Pass):
     Config = KvCacheConfig
     name = "kv_cache"
     knob_group = "kv_cache"
-    version = 3  # 3: the input's files hard-linked, not copied
+    version = 4  # 3: the input's files hard-linked, not copied; 4: a buffer per layer
     memory_profile = "graph"  # files linked; int8/fp8 calibrate in an ONNX Runtime session
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
@@ -160,12 +160,14 @@ class KvCachePass(CalibratesOnWindows, Pass):
 
     def layout(self, config: dict[str, Any]) -> dict[str, Any]:
         """The ``kv_cache`` entry of the output's metadata, but for the calibrated scales.
-        ``window``: ``kv_cache.window``, narrowed to the model's own window where every layer
-        has the same one (Mistral's ``sliding_window``), which the graph keeps either way."""
+        ``window``: ``kv_cache.window``, narrowed to the widest layer's window where every layer
+        has one of its own (Mistral's ``sliding_window``), which the graph keeps either way.
+        ``capacity``: with a shared layout and a window, each layer's buffer of its own window
+        (a Qwen2 layer past ``max_window_layers`` keeps a shorter one than the build's window)."""
         window = self.config.window
-        own = set(layer_windows(config))
-        if window and len(own) == 1 and (size := own.pop()):
-            window = min(window, size)
+        windows = layer_windows(config, window)
+        if window:
+            window = max(windows)
         layout: dict[str, Any] = {
             "layout": Layout(self.config.layout).value,
             "dtype": KvDtype(self.config.dtype).value,
@@ -173,7 +175,7 @@ class KvCachePass(CalibratesOnWindows, Pass):
             "paged_block_size": self.config.paged_block_size,
         }
         if self.config.layout == Layout.shared and window:
-            layout["capacity"] = window_capacity(window)
+            layout["capacity"] = [window_capacity(size) for size in windows]
         if self.config.dtype == KvDtype.fp8:
             layout["fp8_scale"] = Fp8Scale(self.config.fp8_scale).value
         return layout

@@ -234,8 +234,8 @@ class OrtCpuBuildPass(Pass):
                     **metadata["io"],
                     "kv_layout": kv.get("layout", "concat"),
                     "window": kv.get("window", 0),
-                    # a window-sized shared buffer (0, the default: max_length positions)
-                    "kv_capacity": kv.get("capacity", 0),
+                    # each layer's window-sized shared buffer (none: max_length positions)
+                    "kv_capacity": kv.get("capacity", []),
                 },
                 "kv_cache": kv,
                 "tokens": metadata["tokens"],

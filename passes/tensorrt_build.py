@@ -252,7 +252,7 @@ class TensorRtBuildPass(Pass):
                 "schema_version": 1,
                 "target": self.config.name,
                 "model_file": PLAN_FILE,
-                "io": {**metadata["io"], "kv_layout": "concat", "window": 0, "kv_capacity": 0},
+                "io": {**metadata["io"], "kv_layout": "concat", "window": 0, "kv_capacity": []},
                 "kv_cache": kv,
                 "tokens": metadata["tokens"],
                 "max_length": max_length,

@@ -374,7 +374,7 @@ def _kv_cache_note(kv: dict[str, Any]) -> str:
     if "calibration" in kv:
         parts[-1] += f" (calibrated on {kv['calibration']['tokens']} tokens)"
     if kv.get("window"):
-        parts.append(
-            f"window {kv['window']}" + (f" in {kv['capacity']} positions" if kv.get("capacity") else "")
-        )
+        sizes = sorted(set(kv["capacity"] if isinstance(kv.get("capacity"), list) else [kv.get("capacity")]))
+        held = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+        parts.append(f"window {kv['window']}" + (f" in {held} positions" if sizes[-1] else ""))
     return ", ".join(parts)

@@ -62,13 +62,27 @@ class IOSpec:
     kv_layout: str = "concat"
     # Sliding-window attention bound (0: none); the graph enforces it, recorded for consumers.
     window: int = 0
-    # Positions of a shared buffer that keeps only the window (0: the engine's max_length);
-    # GroupQueryAttention evicts the oldest rows in place, so any length fits.
-    kv_capacity: int = 0
+    # Positions of each layer's shared buffer that keeps only that layer's window (empty: every
+    # buffer holds the engine's max_length); GroupQueryAttention evicts the oldest rows in
+    # place, so any length fits. A layer whose own window is shorter than the build's (Qwen2
+    # past max_window_layers, Gemma's local layers) keeps a shorter buffer.
+    kv_capacity: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Records written before buffers were per layer hold one int for every layer (0: none),
+        # and JSON gives a list: both read as the tuple.
+        capacity = self.kv_capacity
+        if isinstance(capacity, int):
+            capacity = (capacity,) * self.num_layers if capacity else ()
+        object.__setattr__(self, "kv_capacity", tuple(capacity))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> IOSpec:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+    def layer_capacity(self, layer: int, max_length: int) -> int:
+        """Positions of layer ``layer``'s shared buffer: its window buffer, else ``max_length``."""
+        return self.kv_capacity[layer] if self.kv_capacity else max_length
 
     def past_names(self) -> list[str]:
         return [f"past_key_values.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
@@ -275,6 +289,20 @@ class _Fields:
             raise self.bad(key, f"an integer from {low} to {high}")
         return value
 
+    def capacities(self, key: str, layers: int) -> tuple[int, ...]:
+        """Window-buffer positions, one per layer (empty: none); a record's single int (every
+        layer, written before buffers were per layer) reads as that many."""
+        value = self.data.get(key, [])
+        if type(value) is int:
+            value = [value] * layers if value else []
+        if (
+            not isinstance(value, list)
+            or len(value) not in (0, layers)
+            or any(type(size) is not int or not 2 <= size <= 1 << 24 for size in value)
+        ):
+            raise self.bad(key, f"a list of {layers} integers from 2 to {1 << 24} (one per layer)")
+        return tuple(value)
+
     def boolean(self, key: str, default: bool) -> bool:
         value = self.data.get(key, default)
         if type(value) is not bool:
@@ -334,7 +362,7 @@ def parse_io(data: Any, where: str) -> IOSpec:
         left_padding=io.boolean("left_padding", True),
         kv_layout=io.choice("kv_layout", KV_LAYOUTS, "concat"),
         window=io.integer("window", 0, 1 << 24, 0),
-        kv_capacity=io.integer("kv_capacity", 0, 1 << 24, 0),
+        kv_capacity=io.capacities("kv_capacity", io.integer("num_layers", 1, 4096)),
     )
 
 
@@ -802,10 +830,10 @@ def read_engine_spec(folder: Path | str, *, graphs: bool = True, _nested: bool =
     target = spec.choice("target", TARGETS)
     io = parse_io(spec.mapping("io", required=True), where)
     max_length = spec.integer("max_length", 1, 1 << 24, 2048)
-    if io.kv_capacity and (io.kv_layout != "shared" or not io.window or io.kv_capacity < io.window):
+    if io.kv_capacity and (io.kv_layout != "shared" or not io.window or max(io.kv_capacity) < io.window):
         raise spec.error(
-            f"io.kv_capacity={io.kv_capacity} with kv_layout {io.kv_layout!r} and window {io.window}: only a "
-            "shared layout holds a window buffer, and at least the window"
+            f"io.kv_capacity={list(io.kv_capacity)} with kv_layout {io.kv_layout!r} and window {io.window}: "
+            "only a shared layout holds window buffers, and the widest at least the window"
         )
     session = _Fields(spec.mapping("session") or {}, where, "session.")
     threads = session.integer("intra_op_num_threads", 0, 4096, 0)

@@ -123,6 +123,30 @@ def graph_ops(model_file: Path) -> set[str]:
     return {node.op_type for node in onnx.load(str(model_file), load_external_data=False).graph.node}
 
 
+def graph_layer_windows(model_file: Path) -> dict[int, int]:
+    """Each layer's ``GroupQueryAttention`` ``local_window_size`` (-1: unbounded), keyed by the
+    layer of its past key, the graph input ``past_key_values.<layer>.key`` (through a ``Cast``,
+    as an fp16 graph with fp32 IO has it); kernels whose layer cannot be told are left out."""
+    import re
+
+    import onnx
+
+    graph = onnx.load(str(model_file), load_external_data=False).graph
+    producers = {output: node for node in graph.node for output in node.output}
+    windows: dict[int, int] = {}
+    for node in graph.node:
+        if node.op_type != "GroupQueryAttention" or len(node.input) <= 3:
+            continue
+        past = node.input[3]
+        while past in producers and producers[past].op_type == "Cast":
+            past = producers[past].input[0]
+        match = re.fullmatch(r"past_key_values\.(\d+)\.key", past)
+        if match is not None:
+            window = next((a.i for a in node.attribute if a.name == "local_window_size"), -1)
+            windows[int(match.group(1))] = int(window)
+    return windows
+
+
 def load_graph(folder: Path, name: str | None = None) -> Any:
     """The graph of ``folder`` as an ``onnx_ir.Model`` whose external initializers stay on disk
     (``ExternalTensor``, memory-mapped when a pass first reads one, never before)."""

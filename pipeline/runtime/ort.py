@@ -30,7 +30,7 @@ from pipeline.core.engine import (
 from pipeline.core.errors import ConfigError, EngineError, first_line
 from pipeline.core.files import sha256_regular
 from pipeline.core.gpu import require_ort_provider
-from pipeline.core.graph_io import graph_ops
+from pipeline.core.graph_io import graph_layer_windows, graph_ops
 from pipeline.runtime.chat_template import render_chat, template_file
 from pipeline.runtime.generate import GenerationConfig, GenerationResult, generate, select_logits
 from pipeline.runtime.serving import Completion, Request, ServingLimits, serve
@@ -118,8 +118,13 @@ class OrtModel:
                 f"{model_path}: a shared KV layout needs the buffer capacity (the engine's max_length)"
             )
         shared = io.kv_layout == "shared"
-        self.capacity = (io.kv_capacity or capacity) if shared else 0
-        self._evicts = shared and io.kv_capacity > 0  # a window-sized buffer: never full
+        # Each layer's buffer positions (its window buffer, else the engine's max_length); the
+        # widest bounds a prompt where the buffers do not evict.
+        self.capacities = (
+            tuple(io.layer_capacity(i, capacity) for i in range(io.num_layers)) if shared else ()
+        )
+        self.capacity = max(self.capacities, default=0)
+        self._evicts = shared and bool(io.kv_capacity)  # window-sized buffers: never full
         # on a GPU provider the KV cache stays in device memory between steps
         self.device = "cuda" if providers and providers[0] in GPU_PROVIDERS else "cpu"
 
@@ -164,8 +169,15 @@ class OrtModel:
 
     def empty_cache(self, batch: int) -> list[ort.OrtValue]:
         """The cache before the first step: empty tensors, or the zeroed shared buffers."""
-        shape = (batch, self.io.num_kv_heads, self.capacity, self.io.head_dim)
-        return [self._cache_value(np.zeros(shape, dtype=self._kv_dtype)) for _ in self._past_names]
+        return [
+            self._cache_value(np.zeros(shape, dtype=self._kv_dtype)) for shape in self._cache_shapes(batch)
+        ]
+
+    def _cache_shapes(self, batch: int) -> list[tuple[int, int, int, int]]:
+        """Each cache input's shape: a layer's key and value each hold that layer's positions."""
+        heads, width = self.io.num_kv_heads, self.io.head_dim
+        positions = [size for size in self.capacities or (0,) * self.io.num_layers for _ in range(2)]
+        return [(batch, heads, size, width) for size in positions]
 
     def step(
         self,
@@ -284,8 +296,7 @@ class OrtModel:
             raise EngineError(
                 "a slot pool holds a shared KV buffer in host memory (ort-cpu, kv_cache=shared)"
             )
-        shape = (slots, self.io.num_kv_heads, self.capacity, self.io.head_dim)
-        return [np.zeros(shape, dtype=self._kv_dtype) for _ in self._past_names]
+        return [np.zeros(shape, dtype=self._kv_dtype) for shape in self._cache_shapes(slots)]
 
     def pool_cache(self, pool: Sequence[np.ndarray], start: int, stop: int) -> list[ort.OrtValue]:
         """Slots ``start``..``stop - 1`` of ``pool`` as the cache of a batch of that many rows,
@@ -608,11 +619,20 @@ def check_kv_layout(io: IOSpec, model_file: Path, where: Path) -> None:
         raise EngineError(
             f"{where} records kv_layout '{io.kv_layout}'; this runtime knows {', '.join(KV_LAYOUTS)}"
         )
-    if io.kv_capacity and (io.kv_layout != "shared" or io.kv_capacity < io.window or not io.window):
+    if io.kv_capacity and (io.kv_layout != "shared" or not io.window):
         raise EngineError(
-            f"{where} records a {io.kv_capacity}-position window buffer for kv_layout '{io.kv_layout}' and "
-            f"window {io.window}: only a shared layout holds a window, and at least the window; rebuild it"
+            f"{where} records window buffers of {list(io.kv_capacity)} positions for kv_layout "
+            f"'{io.kv_layout}' and window {io.window}: only a shared layout holds a window; rebuild it"
         )
+    if io.kv_capacity:
+        for layer, window in graph_layer_windows(model_file).items():
+            size = io.kv_capacity[layer] if layer < len(io.kv_capacity) else 0
+            if window <= 0 or size < window:
+                raise EngineError(
+                    f"{where} records a {size}-position buffer for layer {layer}, whose attention "
+                    f"window in {model_file.name} is {window if window > 0 else 'unbounded'}: a "
+                    "buffer holds at least its layer's window; rebuild it"
+                )
     if (io.kv_layout == "shared" or io.window) and "GroupQueryAttention" not in graph_ops(model_file):
         raise EngineError(
             f"{where} records kv_layout '{io.kv_layout}' (window {io.window}) but {model_file.name} has no "

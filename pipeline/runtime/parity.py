@@ -29,11 +29,15 @@ def _parity_model(folder: Path, optimization: str) -> Any:
     keeps a window-sized buffer (kv_cache layout=shared with a window) needs that buffer bound."""
     io = graph_io(folder)
     metadata = read_metadata(folder)
-    capacity = int(metadata.get("kv_cache", {}).get("capacity", 0))
+    capacity = metadata.get("kv_cache", {}).get("capacity") or ()
     if capacity and metadata.get("fusion"):
         io = dataclasses.replace(io, kv_layout="shared", kv_capacity=capacity)
     return OrtModel(
-        folder / model_file(folder), io, optimization=optimization, capacity=capacity, prepack=False
+        folder / model_file(folder),
+        io,
+        optimization=optimization,
+        capacity=max(io.kv_capacity, default=0),
+        prepack=False,
     )
 
 

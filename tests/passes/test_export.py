@@ -58,7 +58,7 @@ def test_metadata_and_tokenizer_travel_with_the_graph(tiny_graph: Artifact) -> N
     assert meta["io"] == {
         "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "vocab_size": 320,
         "kv_dtype": "float32", "has_position_ids": True,
-        "left_padding": True, "kv_layout": "concat", "window": 0, "kv_capacity": 0,
+        "left_padding": True, "kv_layout": "concat", "window": 0, "kv_capacity": [],
     }  # fmt: skip
     assert meta["tokens"]["eos_token_ids"] == [2]
     assert meta["tokens"]["pad_token_id"] == 0

@@ -16,7 +16,7 @@ from passes.export import ExportPass
 from passes.fusion.fuse import FusionPass
 from passes.prune import Shape, pruned_config
 from pipeline.core.artifacts import Artifact, Kind
-from pipeline.core.errors import PassError
+from pipeline.core.errors import EngineError, PassError
 from pipeline.core.families import QWEN2, family_of, layer_windows
 from pipeline.sources import check_hf_llama
 from tests.conftest import run_pass
@@ -77,12 +77,24 @@ def test_sliding_layers_past_max_window_layers_are_exact_unfused_and_fused(tmp_p
         assert relative_error(onnx_prefill(artifact.path, ids), reference) <= TOLERANCE
     decoded = onnx_decode(fused.path, ids, PARITY_POSITIONS - 16)
     assert relative_error(decoded, reference[-16:]) <= TOLERANCE
-    # One window-sized shared buffer for both layers (kv_cache.window=64): the full layer 0 is then
-    # windowed too, by the build's choice, so it is compared with the same engine's prefill.
-    engine, _ = build(["kv_cache=shared", "kv_cache.window=64", "fusion=ort"], source, tmp_path / "shared")
+    # Window-sized shared buffers (kv_cache.window=128): the full layer 0 is then windowed to 128 by
+    # the build's choice, so it is compared with the same engine's prefill; layer 1 keeps its own
+    # 64 and a buffer of that window only.
+    engine, _ = build(["kv_cache=shared", "kv_cache.window=128", "fusion=ort"], source, tmp_path / "shared")
+    spec = json.loads((engine.path / "engine.json").read_text())
+    assert (spec["io"]["window"], spec["io"]["kv_capacity"]) == (128, [160, 80])
     windowed = onnx_decode(engine.path, ids, PARITY_POSITIONS - 16)
     whole = onnx_prefill(engine.path, ids)
     assert relative_error(windowed, whole[-16:]) <= TOLERANCE
+    from pipeline.runtime import Engine
+
+    assert [value.shape()[2] for value in Engine(engine.path).model.empty_cache(1)] == [160, 160, 80, 80]
+    # A buffer shorter than its layer's window in the graph is refused, in one line.
+    spec["io"]["kv_capacity"] = [160, 32]
+    (engine.path / "engine.json").write_text(json.dumps(spec))
+    refusal = r"a 32-position buffer for layer 1, whose attention window in model\.onnx is 64"
+    with pytest.raises(EngineError, match=refusal):
+        Engine(engine.path)
 
 
 def test_calibration_longer_than_a_sliding_window_of_some_layers_is_one_line(tmp_path: Path) -> None:

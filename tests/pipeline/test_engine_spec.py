@@ -101,6 +101,9 @@ FIELD_CASES = [
     ("io.kv_layout", "ring", "io.kv_layout"),
     ("io.window", -5, "io.window"),
     ("io.kv_capacity", 64, "io.kv_capacity"),
+    ("io.kv_capacity", [64], "io.kv_capacity"),  # one per layer
+    ("io.kv_capacity", [64, 1], "io.kv_capacity"),
+    ("io.kv_capacity", [64, "64"], "io.kv_capacity"),
     ("io", [], "io="),
     ("target", "openvino", "target"),
     ("target", None, "target"),

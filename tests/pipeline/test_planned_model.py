@@ -47,7 +47,7 @@ def test_each_pass_hands_on_what_it_produces(source: Artifact) -> None:
         "dtype": "fp32",
         "window": 8,
         "paged_block_size": 0,
-        "capacity": 10,
+        "capacity": [10, 10],  # one buffer per layer
     }
     facts = FusionPass().check_model(facts)
     assert facts.fusion is not None and "group_query_attention" in facts.fusion

@@ -22,6 +22,9 @@ def test_the_kv_cache_note_names_layout_dtype_calibration_and_window() -> None:
         "calibration": {"tokens": 4096},
     }
     assert _kv_cache_note(kv) == "shared, int8 (calibrated on 4096 tokens), window 256 in 320 positions"
+    per_layer = {**kv, "capacity": [320, 80, 320]}  # layers with shorter windows of their own
+    assert _kv_cache_note(per_layer).endswith("window 256 in 80-320 positions")
+    assert _kv_cache_note({**kv, "capacity": [320, 320]}).endswith("window 256 in 320 positions")
 
 
 # --------------------------------------------------------------------------------------------
