@@ -35,7 +35,34 @@ QUANT_RECIPES = {
     "int4_gptq": ["quant=int4_gptq", "fusion=ort"],
     "fp8": ["quant=fp8"],
     "int8-kv": ["kv_cache=shared", "kv_cache.dtype=int8", "fusion=ort"],
+    # per-layer sensitivity, the most sensitive layers kept in fp32 within the KL budget
+    "int4_awq-mixed": ["quant=int4_awq", "quant.fallback=auto", "fusion=ort"],
 }
+# Width pruning of MLP channels and of one query head per KV group, recovered by logit KD: short.
+PRUNE_KD = [
+    "prune=width25",
+    "prune.heads_ratio=0.5",
+    "prune.calibration.num_samples=4",
+    "prune.calibration.seq_len=32",
+    "distill=kd",
+    "distill.steps=2",
+    "distill.seq_len=32",
+    "distill.batch_size=2",
+    "distill.micro_batch_size=1",
+    "fusion=ort",
+]
+# A depth-pruned, distilled INT4 draft (configs/speculative/draft.yaml), kept short.
+DRAFT = [
+    "speculative=draft",
+    "speculative.draft.prune.depth_ratio=0.5",
+    "speculative.draft.prune.calibration.num_samples=4",
+    "speculative.draft.prune.calibration.seq_len=32",
+    "speculative.draft.distill.steps=2",
+    "speculative.draft.distill.seq_len=32",
+    "speculative.draft.distill.batch_size=2",
+    "speculative.draft.distill.micro_batch_size=1",
+    "fusion=ort",
+]
 
 
 def make_tiny(model_type: str, folder: Path, seed: int = 0, **overrides: Any) -> Path:
@@ -270,3 +297,47 @@ def assert_built(engine: Any, by_name: dict[str, dict[str, Any]], packed_qkv: in
         for key in ("parity", "parity_vs_input_graph"):
             if key in metrics:
                 assert metrics[key].get("finite", True) and metrics[key]["top1_agreement"] >= 0.8, metrics
+
+
+def assert_pruned_and_distilled(checkpoint: Path, cache: Path) -> None:
+    """``PRUNE_KD`` on the checkpoint builds a fused engine of half the query heads and three
+    quarters of the MLP channels, whose distillation ran and whose parities hold."""
+    engine, by_name = build(PRUNE_KD, checkpoint, cache)
+    assert_built(engine, by_name)
+    shape = by_name["prune"]["shape"]["after"]
+    assert (shape["heads"], shape["kv_heads"], shape["intermediate"]) == (2, 2, 96), shape
+    assert by_name["distill"]["tokens_trained"] == 2 * 2 * 32
+
+
+def assert_drafts_and_serves(checkpoint: Path, cache: Path) -> None:
+    """A fused engine of the checkpoint with a depth-pruned, distilled INT4 draft of the same
+    checkpoint inside it (the real ``draft_passes`` and ``attach_draft``): its speculative greedy
+    output is the target's own, token for token; and the server batches requests of several
+    lengths into each one's output alone."""
+    from pipeline.core.artifacts import Artifact, Kind
+    from pipeline.core.cache import Cache
+    from pipeline.runtime import Engine, GenerationConfig
+    from pipeline.runtime.serving import Request, ServingLimits
+    from pipeline.speculative import attach_draft, build_draft, draft_passes
+    from tests.pipeline.recipe import compose_recipe
+
+    target, _ = build(["fusion=ort"], checkpoint, cache)
+    source = Artifact.from_dir(Kind.TORCH, checkpoint)
+    draft, records = build_draft(draft_passes(compose_recipe(DRAFT)), source, target, Cache(cache))
+    assert [record.name for record in records][:3] == ["prune", "distill", "awq"]
+    attached, _ = attach_draft(Cache(cache), target, draft, k=3)
+    engine = Engine(attached.path)
+    assert engine.draft is not None and engine.draft.io.num_layers == 1
+    prompt = random_ids(24, seed=1)[0].tolist()
+    config = GenerationConfig(max_new_tokens=24, stop_at_eos=False)
+    alone = engine.generate_ids([prompt], config, use_draft=False).tokens[0]
+    assert engine.generate_ids([prompt], config).tokens[0] == alone
+    assert engine.last_draft_stats is not None and engine.last_draft_stats.rounds > 0
+    rng = np.random.default_rng(2)
+    requests = [
+        Request(rng.integers(4, 300, size=length).tolist(), max_new_tokens=new, stop_at_eos=False)
+        for length, new in ((5, 9), (17, 3), (11, 12), (3, 6))
+    ]
+    for request, done in zip(requests, engine.serve(requests, ServingLimits(max_sequences=2)), strict=True):
+        config = GenerationConfig(max_new_tokens=request.max_new_tokens, stop_at_eos=False)
+        assert done.tokens == engine.generate_ids([list(request.prompt)], config, use_draft=False).tokens[0]

@@ -26,6 +26,8 @@ from tests.families import (
     PARITY_POSITIONS,
     QUANT_RECIPES,
     assert_built,
+    assert_drafts_and_serves,
+    assert_pruned_and_distilled,
     build,
     make_tiny,
     onnx_decode,
@@ -124,3 +126,15 @@ def test_every_quantized_recipe_builds_a_mistral_engine(
 ) -> None:
     engine, by_name = build(recipe, checkpoint, tmp_path)
     assert_built(engine, by_name)
+
+
+def test_width_pruning_with_distillation_builds_a_fused_mistral_engine(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    assert_pruned_and_distilled(checkpoint, tmp_path)
+
+
+def test_a_mistral_engine_decodes_speculatively_with_its_draft_and_serves(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    assert_drafts_and_serves(checkpoint, tmp_path)

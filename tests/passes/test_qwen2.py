@@ -24,6 +24,8 @@ from tests.families import (
     PARITY_POSITIONS,
     QUANT_RECIPES,
     assert_built,
+    assert_drafts_and_serves,
+    assert_pruned_and_distilled,
     build,
     dead_heads_pruned_error,
     make_tiny,
@@ -139,12 +141,13 @@ def test_prune_slices_the_biases_with_their_heads(checkpoint: Path) -> None:
     assert dead_heads_pruned_error(checkpoint, QWEN2) <= TOLERANCE
 
 
-@pytest.mark.parametrize("recipe", list(QUANT_RECIPES.values())[:4], ids=list(QUANT_RECIPES)[:4])
+@pytest.mark.parametrize("recipe", list(QUANT_RECIPES.values()), ids=list(QUANT_RECIPES))
 def test_every_quantized_recipe_builds_a_qwen2_engine(
     checkpoint: Path, tmp_path: Path, recipe: list[str]
 ) -> None:
     engine, by_name = build(recipe, checkpoint, tmp_path)
-    assert_built(engine, by_name, packed_qkv=2 if "int4" in recipe[0] else 0)  # Q/DQ is not packed
+    qdq = recipe[0] in ("quant=int8", "quant=fp8")  # Q/DQ weights are not packed
+    assert_built(engine, by_name, packed_qkv=0 if qdq else 2)
 
 
 def test_a_qwen2_gguf_converts_to_the_same_model(tmp_path: Path) -> None:
@@ -184,3 +187,15 @@ def test_depth_pruning_keeps_each_kept_layers_window() -> None:
     assert layer_windows(config) == (0, 0, 64)
     target = Shape(64, 128, 4, 2, 16, 2)
     assert layer_windows(pruned_config(config, target, [0, 2])) == (0, 64)
+
+
+def test_width_pruning_with_distillation_builds_a_fused_qwen2_engine(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    assert_pruned_and_distilled(checkpoint, tmp_path)
+
+
+def test_a_qwen2_engine_decodes_speculatively_with_its_draft_and_serves(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    assert_drafts_and_serves(checkpoint, tmp_path)

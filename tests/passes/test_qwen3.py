@@ -20,6 +20,8 @@ from tests.families import (
     PARITY_POSITIONS,
     QUANT_RECIPES,
     assert_built,
+    assert_drafts_and_serves,
+    assert_pruned_and_distilled,
     build,
     dead_heads_pruned_error,
     make_tiny,
@@ -119,3 +121,15 @@ def test_a_gguf_of_another_family_is_refused_before_it_is_loaded(tmp_path: Path)
         "Qwen3 (Qwen3ForCausalLM))"
     )
     assert not (tmp_path / "converted").exists()
+
+
+def test_width_pruning_with_distillation_builds_a_fused_qwen3_engine(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    assert_pruned_and_distilled(checkpoint, tmp_path)
+
+
+def test_a_qwen3_engine_decodes_speculatively_with_its_draft_and_serves(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    assert_drafts_and_serves(checkpoint, tmp_path)
