@@ -70,6 +70,44 @@ def test_the_fused_decode_matches_its_prefill(fused: tuple[Artifact, dict], refe
     assert relative_error(decoded, reference[-steps:]) <= TOLERANCE
 
 
+def test_sliding_layers_past_max_window_layers_are_exact_fused_and_in_decode(tmp_path: Path) -> None:
+    """Qwen3's use_sliding_window with max_window_layers=1, as Qwen2's: layer 1 attends within 64
+    positions; the fused graph gives each layer's kernel its own window and, prefill and decode,
+    matches transformers over 2048 positions."""
+    import onnx
+
+    from passes.export import ExportPass
+    from passes.fusion.fuse import FusionPass
+    from pipeline.core.artifacts import Kind
+    from pipeline.core.families import layer_windows
+    from tests.conftest import run_pass
+
+    source = make_tiny(
+        "qwen3",
+        tmp_path / "windowed",
+        head_dim=32,
+        use_sliding_window=True,
+        sliding_window=64,
+        max_window_layers=1,
+    )
+    assert layer_windows(json.loads((source / "config.json").read_text())) == (0, 64)
+    ids = random_ids()
+    reference = transformers_logits(source, ids)
+    graph = run_pass(ExportPass(), Artifact.from_dir(Kind.TORCH, source), tmp_path / "graph")[0]
+    fused = run_pass(FusionPass(), graph, tmp_path / "fused")[0]
+    nodes = onnx.load(str(fused.path / "model.onnx"), load_external_data=False).graph.node
+    windows = [
+        a.i
+        for n in nodes
+        if n.op_type == "GroupQueryAttention"
+        for a in n.attribute
+        if a.name == "local_window_size"
+    ]
+    assert windows == [-1, 64]
+    assert relative_error(onnx_prefill(fused.path, ids), reference) <= TOLERANCE
+    assert relative_error(onnx_decode(fused.path, ids, PARITY_POSITIONS - 16), reference[-16:]) <= TOLERANCE
+
+
 def test_prune_keeps_the_shared_qk_norms(checkpoint: Path) -> None:
     assert dead_heads_pruned_error(checkpoint, QWEN3) <= TOLERANCE
 
