@@ -33,16 +33,17 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pipeline.core.errors import PassError, SourceError
-from pipeline.core.families import family_of, layer_windows
+from pipeline.core.errors import SourceError
+from pipeline.core.families import family_of
 from pipeline.core.files import loads_bounded
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
+from pipeline.core.torch_model import rebuild_computed_buffers
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -74,64 +75,61 @@ class ForwardTime:
 
 @dataclass
 class LayerInputs:
-    """The inputs of one decoder layer for each calibration batch (hidden states + the layer kwargs
-    transformers passes: mask, rotary position embeddings, positions)."""
+    """The inputs of one decoder layer for each calibration batch: the hidden states, and the
+    keyword arguments transformers passes that layer (its attention mask and rotary position
+    embeddings, which differ between a model's full and sliding layers and, in Gemma 3, between
+    their RoPE tables), with every layer's kept in ``by_layer`` for :meth:`at`."""
 
     hidden: list[Any]
     kwargs: list[dict[str, Any]]
+    by_layer: list[list[dict[str, Any]]] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
         return sum(h.shape[0] * h.shape[1] for h in self.hidden)
+
+    def at(self, index: int) -> LayerInputs:
+        """These hidden states as the inputs of layer ``index``: with that layer's arguments."""
+        return LayerInputs(self.hidden, self.by_layer[index] if self.by_layer else self.kwargs, self.by_layer)
 
 
 class _StopForward(Exception):
     pass
 
 
-def check_one_mask(config: dict[str, Any], tokens: int) -> None:
-    """Every block is run with the attention mask caught at block 0. Where the blocks' windows
-    differ (full and sliding layers), that mask is every block's only while a calibration window
-    of ``tokens`` fits in each sliding window (then the sliding mask is the causal one); past
-    that, one line naming the knob to lower."""
-    windows = layer_windows(config)
-    sliding = [size for size in windows if size]
-    if len(set(windows)) > 1 and tokens > min(sliding):
-        raise PassError(
-            f"calibration windows of {tokens} tokens are longer than this model's sliding window of "
-            f"{min(sliding)} positions on some layers, whose attention mask differs from the full layers': "
-            f"set the pass's calibration.seq_len to at most {min(sliding)}"
-        )
-
-
 def capture_first_block_inputs(
     model: Any, windows: np.ndarray, batch_size: int, device: Any = "cpu"
 ) -> LayerInputs:
     """Run the embedding (and mask/rotary set-up) of ``model`` on ``windows`` (token ids, one row a
-    window) in batches of ``batch_size``; catch what reaches decoder layer 0, then stop (AutoGPTQ's
-    "Catcher"). Only the embeddings and the rotary embedding need weights: the decoder layers,
-    the final norm and the head may stay on ``meta``."""
+    window) in batches of ``batch_size``; catch what reaches decoder layer 0, and the arguments
+    every layer is called with, then stop (AutoGPTQ's "Catcher", one in place of each layer:
+    each passes its input on unchanged, the last stops the forward). Only the embeddings and
+    the rotary embedding need weights: the decoder layers, the final norm and the head may stay
+    on ``meta``."""
     import torch
 
-    check_one_mask(model.config.to_dict(), windows.shape[1])
     layers = model.get_submodule(family_of(model.config).layers)
-    original = layers[0]
-    captured = LayerInputs([], [])
+    originals = list(layers)
+    captured = LayerInputs([], [], [[] for _ in originals])
 
     class Catcher(torch.nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, index: int) -> None:
             super().__init__()
-            self.wrapped = original
+            self.index = index
 
         def forward(self, hidden_states: Any, **kwargs: Any) -> Any:
-            captured.hidden.append(hidden_states.detach())
+            if self.index == 0:
+                captured.hidden.append(hidden_states.detach())
             kwargs.pop("cache", None)
             kwargs.pop("past_key_values", None)
             kwargs["use_cache"] = False
-            captured.kwargs.append(kwargs)
-            raise _StopForward
+            captured.by_layer[self.index].append(kwargs)
+            if self.index == len(originals) - 1:
+                raise _StopForward
+            return hidden_states
 
-    layers[0] = Catcher()
+    for index in range(len(originals)):
+        layers[index] = Catcher(index)
     try:
         with torch.no_grad():
             for start in range(0, len(windows), batch_size):
@@ -140,7 +138,9 @@ def capture_first_block_inputs(
                 with contextlib.suppress(_StopForward):
                     model(input_ids=ids, use_cache=False)
     finally:
-        layers[0] = original
+        for index, layer in enumerate(originals):
+            layers[index] = layer
+    captured.kwargs = captured.by_layer[0]
     return captured
 
 
@@ -252,6 +252,8 @@ class StreamedCheckpoint:
             dtype = self.placement.dtype if tensor.is_floating_point() else tensor.dtype
             state[name[len(prefix) + 1 :]] = tensor.to(device=self.placement.torch_device, dtype=dtype)
         module.load_state_dict(state, strict=True, assign=True)
+        # buffers no checkpoint holds (Gemma's embedding scale) went back to meta with the module
+        rebuild_computed_buffers(module, self.config, self.placement.torch_device)
         return module
 
     def load_model(self) -> Any:
@@ -346,16 +348,9 @@ class StreamedCheckpoint:
             return GenerationConfig.from_model_config(self.config)
 
     def _rotary_on_device(self) -> None:
-        """Rebuild the (weightless) rotary embedding on the device: its buffers are computed."""
-        import torch
-
-        parent, _, name = self.family.rotary.rpartition(".")
-        inner = self.model.get_submodule(parent)
-        rotary = getattr(inner, name, None)
-        if rotary is not None:
-            with torch.device("cpu"):
-                fresh = type(rotary)(config=self.config)
-            setattr(inner, name, fresh.to(self.placement.torch_device))
+        """Compute the buffers no checkpoint holds (rotary frequencies, Gemma's embedding scale)
+        on the device."""
+        rebuild_computed_buffers(self.model, self.config, self.placement.torch_device)
 
 
 class CheckpointWriter:

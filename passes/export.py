@@ -65,12 +65,12 @@ from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, link_tree, wr
 from pipeline.core.base import Pass
 from pipeline.core.config import register_pass
 from pipeline.core.engine import IOSpec, graph_io
-from pipeline.core.errors import PassError
-from pipeline.core.families import head_dim
+from pipeline.core.errors import PassError, SourceError
+from pipeline.core.families import family_of, head_dim
 from pipeline.core.files import copy_regular, link_root, read_json
 from pipeline.core.planned_model import PlannedModel
 from pipeline.core.progress import phases
-from pipeline.core.torch_model import load_tokenizer
+from pipeline.core.torch_model import load_tokenizer, rebuild_computed_buffers
 from pipeline.runtime.ort import OrtModel
 
 log = logging.getLogger(__name__)
@@ -395,15 +395,10 @@ def placeholder_model(folder: Path, checkpoint: Checkpoint, attention: str) -> A
                 replaced[id(parameter)] = new
                 checkpoint_names[id(new)] = sources[id(parameter)]
             module._parameters[pname] = replaced[id(parameter)]
-    for module_name, module in model.named_modules():
-        if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
-            if not hasattr(module, "inv_freq"):
-                raise PassError(
-                    f"export: cannot rebuild the buffers of {module_name} ({type(module).__name__})"
-                )
-            rebuilt = type(module)(config=config)  # the rotary embedding: its frequencies from the config
-            parent_name, _, child = module_name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, rebuilt)
+    try:
+        rebuild_computed_buffers(model, config)  # rotary frequencies, Gemma's embedding scale
+    except SourceError as exc:
+        raise PassError(f"export: {exc}") from None
     model.checkpoint_names = checkpoint_names
     return model.eval()
 
@@ -417,20 +412,32 @@ def attach_weights(model: Any, skeleton: Any, checkpoint: Checkpoint, user_input
     graph = model.graph
     by_name = dict(skeleton.named_parameters(remove_duplicate=False))
     names = skeleton.checkpoint_names
+    offset = family_of(skeleton.config).norm_offset
     parameters = list(graph.inputs)[user_inputs:]
     for value in parameters:
         name = value.name or ""
-        source: tuple[str, bool] | None = None
+        source: tuple[str, bool, float] | None = None
         if name.startswith(WRAPPER_PREFIX) and name.removeprefix(WRAPPER_PREFIX) in by_name:
             parameter = by_name[name.removeprefix(WRAPPER_PREFIX)]
             if tuple(value.shape) == tuple(parameter.shape):
-                source = (names[id(parameter)], False)
+                source = (names[id(parameter)], False, 0.0)
         else:
             for use in value.uses():
                 module = _matmul_module(use.node)
                 parameter = by_name.get(f"{module}.weight") if module and use.idx == 1 else None
                 if parameter is not None and tuple(value.shape) == tuple(parameter.shape)[::-1]:
-                    source = (names[id(parameter)], True)
+                    source = (names[id(parameter)], True, 0.0)
+                    break
+                # Gemma's RMSNorm scales by (1 + weight): the exporter folds the sum into one input
+                # of the norm's Mul (``/model/model/layers.0/input_layernorm/Mul_2``).
+                module = _scope_module(use.node)
+                parameter = by_name.get(f"{module}.weight") if offset and module else None
+                if (
+                    parameter is not None
+                    and use.node.op_type == "Mul"
+                    and tuple(value.shape) == tuple(parameter.shape)
+                ):
+                    source = (names[id(parameter)], False, offset)
                     break
         if source is None:
             raise PassError(
@@ -446,15 +453,22 @@ def attach_weights(model: Any, skeleton: Any, checkpoint: Checkpoint, user_input
         graph.register_initializer(value)
 
 
-def _reader(checkpoint: Checkpoint, name: str, transpose: bool) -> Callable[[], Any]:
+def _reader(checkpoint: Checkpoint, name: str, transpose: bool, offset: float) -> Callable[[], Any]:
     def read() -> Any:
         import onnx_ir as ir
 
         tensor = checkpoint.float32(name)
         array = (tensor.T if transpose else tensor).contiguous().numpy()
-        return ir.tensor(array)
+        return ir.tensor(array + offset if offset else array)  # offset: Gemma's folded 1 + weight
 
     return read
+
+
+def _scope_module(node: Any) -> str | None:
+    """The module a node was traced in (``model.layers.0.input_layernorm`` for
+    ``/model/model/layers.0/input_layernorm/Mul_2``); None for a node without a scope."""
+    scope, _, _ = (node.name or "").rpartition("/")
+    return scope.removeprefix(WRAPPER_SCOPE).strip("/").replace("/", ".") or None
 
 
 def _matmul_module(node: Any) -> str | None:

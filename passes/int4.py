@@ -239,6 +239,7 @@ class TorchInt4Pass(CalibratesInRanks, Pass):
         family = self.family = family_of(model.config)
         inputs = first_layer_inputs(model, windows, CALIBRATION_BATCH)
         for index, layer in enumerate(model.get_submodule(family.layers)):
+            inputs = inputs.at(index)  # this layer's mask and rotary, the hidden states so far
             results.update(self.quantize_block(f"{family.layer(index)}.", layer, inputs, wanted))
         if LM_HEAD in wanted:
             norm, head = model.get_submodule(family.final_norm), model.get_submodule(family.head)
@@ -293,6 +294,7 @@ class TorchInt4Pass(CalibratesInRanks, Pass):
             for index in tqdm(layers, desc=self.name, unit="layer", disable=not group.main):
                 prefix = checkpoint.layer_prefix(index)
                 layer = checkpoint.materialize(prefix)
+                inputs = inputs.at(index)  # this layer's mask and rotary, the hidden states so far
                 finish(prefix, self.quantize_block(prefix + ".", layer, inputs, wanted))
             norm = checkpoint.materialize(family.final_norm)
             if LM_HEAD in wanted:

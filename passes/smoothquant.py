@@ -441,11 +441,10 @@ def smooth_streamed(
 
     probe_windows = windows[:1, : min(PROBE_TOKENS, windows.shape[1])]
     probe = master.first_block_inputs(probe_windows, 1)
-    probe_kwargs = probe.kwargs[0]
     reference = smoothed = probe.hidden[0]
     mine = shard(windows, group.rank, group.world, config.batch_size)
     inputs = compute.first_block_inputs(mine, config.batch_size)
-    hidden, kwargs, tokens = inputs.hidden, inputs.kwargs, inputs.tokens
+    hidden, tokens = inputs.hidden, inputs.tokens
     stats: dict[str, Any] = {}
     divided: dict[str, Any] = {}
     groups: list[str] = []
@@ -454,8 +453,9 @@ def smooth_streamed(
             prefix = master.layer_prefix(index)
             layer = master.materialize(prefix)
             block = compute.materialize(prefix) if lowered else layer
+            probe_kwargs = probe.at(index).kwargs[0]  # this layer's mask and rotary
             with forward_time.measure():
-                block_stats, hidden = calibrate_block(block, prefix, hidden, kwargs)
+                block_stats, hidden = calibrate_block(block, prefix, hidden, inputs.at(index).kwargs)
             for name in sorted(block_stats):  # every rank reduces the same tensors in one order
                 group.max(block_stats[name])
             if lowered:

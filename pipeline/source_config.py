@@ -224,8 +224,18 @@ def _activations() -> tuple[str, ...]:
 
 
 def _ropes(config: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
-    """The RoPE tables of ``config`` (``rope_scaling``, ``rope_parameters``), by key."""
-    return [(key, config[key]) for key in ROPE_KEYS if isinstance(config.get(key), dict)]
+    """The RoPE tables of ``config`` (``rope_scaling``, ``rope_parameters``), by key; a table per
+    layer type (Gemma 3's ``rope_parameters.sliding_attention``) by its dotted key."""
+    tables = []
+    for key in ROPE_KEYS:
+        table = config.get(key)
+        if isinstance(table, dict) and set(table) & set(LAYER_TYPES):
+            tables += [
+                (f"{key}.{kind}", table[kind]) for kind in LAYER_TYPES if isinstance(table.get(kind), dict)
+            ]
+        elif isinstance(table, dict):
+            tables.append((key, table))
+    return tables
 
 
 def heads_divide_hidden(config: Mapping[str, Any]) -> str | None:
@@ -305,6 +315,7 @@ ROPE = Table(
     }
 )
 ROPE_KEYS = ("rope_scaling", "rope_parameters")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # The fields every family of a Llama block reads (transformers' LlamaConfig, Qwen2Config, ...).
 COMMON_FIELDS: Mapping[str, Rule] = {
@@ -409,8 +420,65 @@ MISTRAL = FamilyBounds(
     refused=COMMON_REFUSED,
 )
 
+
+def softcapping_refused(config: Mapping[str, Any]) -> str | None:
+    """Soft-capping (``tanh(x / cap) * cap``) of the final logits or of the attention scores:
+    GroupQueryAttention has ``softcap`` but the attention it fuses does not, and the export has
+    no path for the final one yet; Gemma 3's checkpoints leave both null."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(key) is not None:
+            return (
+                f"{key}={shown(config[key])}: this build does not implement logit soft-capping (it would "
+                "be silently dropped); use a checkpoint whose config leaves it null"
+            )
+    return None
+
+
+def bidirectional_refused(config: Mapping[str, Any]) -> str | None:
+    if config.get("use_bidirectional_attention"):
+        return (
+            "use_bidirectional_attention=true: an encoder, not a causal language model this build "
+            "serves; use a causal checkpoint"
+        )
+    return None
+
+
+# Gemma 3 (Gemma3TextConfig): rope_parameters hold one table per layer type.
+GEMMA3 = FamilyBounds(
+    fields={
+        **COMMON_FIELDS,
+        "hidden_activation": Choice(
+            _activations, "an activation transformers knows", hint="Gemma's: gelu_pytorch_tanh"
+        ),
+        "query_pre_attn_scalar": Number(low=0),
+        "attention_bias": Flag(),
+        "sliding_window": Integer(most="positions an engine holds (2^24)", nullable=True),
+        "layer_types": LayerTypes(LAYER_TYPES),
+        "rope_parameters": Table({kind: ROPE for kind in LAYER_TYPES}),
+        "final_logit_softcapping": Number(low=0, nullable=True),
+        "attn_logit_softcapping": Number(low=0, nullable=True),
+        "use_bidirectional_attention": Flag(nullable=True),
+    },
+    relations=COMMON_RELATIONS,
+    # Gemma3TextConfig's defaults of the fields the rules and relations read
+    defaults={
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "num_attention_heads": 8,
+        "num_hidden_layers": 26,
+        "head_dim": 256,
+    },
+    refused=(*COMMON_REFUSED, softcapping_refused, bidirectional_refused),
+)
+
 # model_type -> what its config.json may hold (the families of pipeline/core/families.py).
-BOUNDS: dict[str, FamilyBounds] = {"llama": LLAMA, "qwen2": QWEN2, "mistral": MISTRAL, "qwen3": QWEN3}
+BOUNDS: dict[str, FamilyBounds] = {
+    "llama": LLAMA,
+    "qwen2": QWEN2,
+    "mistral": MISTRAL,
+    "qwen3": QWEN3,
+    "gemma3_text": GEMMA3,
+}
 
 # generation_config.json: the export reads its eos_token_id before config.json's (passes/export.py).
 GENERATION_FIELDS: Mapping[str, Rule] = {

@@ -262,11 +262,15 @@ def expose_head_norms(graph: ir.Graph) -> int:
     before rotary, so it stays outside the kernel: ``Transpose(Norm(Reshape(x, s)))`` becomes
     ``Transpose(Reshape(Reshape(Norm(Reshape(x, s)), [0, 0, -1]), s))``, whose inner
     ``Reshape(..., [0, 0, -1])`` is the [B, S, H*D] input the rule hands the kernel (the outer
-    pair goes with the matched nodes). Runs after the rms_norm rules made the norm one node."""
+    pair goes with the matched nodes). Runs after the rms_norm rules made the norm one node.
+
+    Gemma 3 normalizes after the transpose (``Norm(Transpose(Reshape(x, s)))``); a norm over each
+    head's values commutes with the transpose, so the norm moves before it first."""
     exposed = 0
     for node in list(graph):
         if node.op_type != "SimplifiedLayerNormalization" or node.attributes.get_int("axis", -1) != -1:
             continue
+        _move_before_transpose(graph, node)
         reshape = node.inputs[0].producer() if node.inputs[0] is not None else None
         users = [user for user, _ in node.outputs[0].uses()]
         if reshape is None or reshape.op_type != "Reshape" or len(users) != 1:
@@ -283,6 +287,27 @@ def expose_head_norms(graph: ir.Graph) -> int:
         transpose.replace_input_with(0, heads.outputs[0])
         exposed += 1
     return exposed
+
+
+def _move_before_transpose(graph: ir.Graph, norm: ir.Node) -> None:
+    """``Norm(Transpose(Reshape(x, s), BHSD))`` -> ``Transpose(Norm(Reshape(x, s)), BHSD)`` where
+    the transpose feeds only the norm: the same values (the norm is over the last axis, which
+    the transpose keeps last), in the order :func:`expose_head_norms` reads."""
+    transpose = norm.inputs[0].producer() if norm.inputs[0] is not None else None
+    if transpose is None or transpose.op_type != "Transpose":
+        return
+    if list(transpose.attributes.get_ints("perm", [])) != BHSD or len(transpose.outputs[0].uses()) != 1:
+        return
+    reshape = transpose.inputs[0].producer() if transpose.inputs[0] is not None else None
+    if reshape is None or reshape.op_type != "Reshape":
+        return
+    after = list(norm.outputs[0].uses())
+    moved = ir.node("Transpose", [norm.outputs[0]], attributes={"perm": BHSD}, name=f"{norm.name}_transpose")
+    norm.replace_input_with(0, transpose.inputs[0])
+    graph.insert_after(norm, [moved])
+    for user, index in after:
+        user.replace_input_with(index, moved.outputs[0])
+    graph.remove(transpose, safe=True)
 
 
 def set_layer_windows(graph: ir.Graph, windows: tuple[int, ...]) -> list[str]:

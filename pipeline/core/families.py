@@ -83,6 +83,14 @@ class Family:
     # ``head_dim`` where the config leaves it out and the family's default is not the quotient
     # hidden_size / num_attention_heads (Qwen3Config: 128).
     default_head_dim: int | None = None
+    # Norms of a block beside the input and post-attention ones (Gemma 3's pre- and
+    # post-feedforward norms), sliced with the hidden channels as they are.
+    extra_norms: tuple[str, ...] = ()
+    # What an RMSNorm adds to its weight before it scales (Gemma: ``x * (1 + weight)``; 0: Llama's
+    # ``x * weight``): a smoothing scale s divides the gain, so the weight becomes (offset + w) / s - offset.
+    norm_offset: float = 0.0
+    # How messages name the family (default: the capitalized model_type).
+    title: str = ""
 
     def layer(self, index: int) -> str:
         """The module name of decoder block ``index``: ``model.layers.3``."""
@@ -104,9 +112,9 @@ class Family:
         return self.attention_projections + self.mlp_projections
 
     @property
-    def norms(self) -> tuple[str, str]:
-        """A decoder block's two norms, relative to it."""
-        return (self.input_norm, self.post_attention_norm)
+    def norms(self) -> tuple[str, ...]:
+        """A decoder block's norms of the hidden channels, relative to it."""
+        return (self.input_norm, self.post_attention_norm, *self.extra_norms)
 
 
 def layer_windows(config: Mapping[str, Any], bound: int = 0) -> tuple[int, ...]:
@@ -195,14 +203,42 @@ QWEN3 = Family(
     default_head_dim=128,
 )
 
+# Gemma 3 (text; transformers' ``Gemma3ForCausalLM``, ``model_type`` gemma3_text): embeddings scaled
+# by sqrt(hidden); RMSNorm in Gemma's ``x * (1 + weight)`` form; a norm after the attention before
+# the residual, and one before and one after the MLP; GeLU-tanh (``hidden_activation``); per-head
+# q/k norms as Qwen3's; ``query_pre_attn_scalar``; local layers of ``layer_types`` within
+# ``sliding_window``, with their own RoPE table (``rope_parameters`` per layer type).
+# llm-compressor's Gemma mapping: input norm -> q/k/v, v -> o, pre-feedforward norm -> gate/up,
+# up -> down (the post-attention norm feeds the residual, not a projection).
+GEMMA3 = Family(
+    model_type="gemma3_text",
+    architectures=("Gemma3ForCausalLM",),
+    smoothing=(
+        DEFAULT_SMOOTHING[0],
+        DEFAULT_SMOOTHING[1],
+        Smoothing("gate_up", "norm", "pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+        DEFAULT_SMOOTHING[3],
+    ),
+    qk_norms=("q_norm", "k_norm"),
+    bias_flags=("attention_bias",),
+    window_key="sliding_window",
+    per_layer_types=True,
+    default_head_dim=256,
+    extra_norms=("pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    norm_offset=1.0,
+    title="Gemma 3",
+)
+
 FAMILIES: Mapping[str, Family] = MappingProxyType(
-    {family.model_type: family for family in (LLAMA, QWEN2, MISTRAL, QWEN3)}
+    {family.model_type: family for family in (LLAMA, QWEN2, MISTRAL, QWEN3, GEMMA3)}
 )
 
 
 def supported() -> str:
     """The families we build, for messages: ``Llama (LlamaForCausalLM)``."""
-    return ", ".join(f"{f.model_type.capitalize()} ({', '.join(f.architectures)})" for f in FAMILIES.values())
+    return ", ".join(
+        f"{f.title or f.model_type.capitalize()} ({', '.join(f.architectures)})" for f in FAMILIES.values()
+    )
 
 
 def family_of(config: Any, where: str = "config.json") -> Family:

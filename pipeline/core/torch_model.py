@@ -138,3 +138,29 @@ def untie_lm_head(model: Any) -> bool:
         head.weight = torch.nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
     model.config.tie_word_embeddings = False
     return tied
+
+
+def rebuild_computed_buffers(model: Any, config: Any, device: Any = "cpu") -> None:
+    """Give a model built on ``meta`` the buffers that no checkpoint stores, computed from its
+    config: the rotary embedding's frequencies (every ``*inv_freq`` buffer: Llama's ``inv_freq``,
+    Gemma 3's one per layer type) and Gemma's embedding scale (``embed_scale``, sqrt(hidden)).
+    Any other buffer left on ``meta`` is one line naming it: a module the export and the
+    streaming loader do not know how to compute."""
+    import torch
+
+    for name, module in list(model.named_modules()):
+        meta = [key for key, buffer in module._buffers.items() if buffer is not None and buffer.is_meta]
+        if not meta:
+            continue
+        if all(key.endswith("inv_freq") for key in meta):
+            with torch.device("cpu"):
+                fresh = type(module)(config=config)  # transformers' rotary: computed from the config
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, fresh.to(device))
+        elif meta == ["embed_scale"] and hasattr(module, "scalar_embed_scale"):
+            module._buffers["embed_scale"] = torch.tensor(float(module.scalar_embed_scale), device=device)
+        else:
+            raise SourceError(
+                f"cannot compute the buffer {name}.{meta[0]} of {type(module).__name__}: it is not "
+                "in the checkpoint and not a rotary or embedding scale this build knows"
+            )

@@ -89,6 +89,44 @@ def test_streamed_forward_equals_the_whole_model(sharded_llama: Path, tiny_llama
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
 
 
+WINDOWED = {
+    # layer 0 full, layer 1 within 64 positions: two attention masks
+    "qwen2": {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+}
+
+
+@pytest.mark.parametrize("model_type", list(WINDOWED))
+def test_each_block_is_streamed_with_its_own_mask_and_rotary(model_type: str, tmp_path: Path) -> None:
+    """Windows of 128 tokens, longer than the sliding layers' 64: each block runs with the
+    arguments transformers gives that block (its mask, its RoPE table), caught once for all
+    layers, and the streamed block-by-block logits are the whole model's."""
+    from tests.families import make_tiny, random_ids
+
+    source = make_tiny(model_type, tmp_path / model_type, **WINDOWED[model_type])
+    windows = random_ids(128)[0].reshape(1, -1).repeat(4, axis=0)
+    windows[1:, 5:] = random_ids(3 * 123, seed=1).reshape(3, 123)
+    model = load_causal_lm(source)
+    checkpoint = StreamedCheckpoint(source)
+    family = checkpoint.family
+    with torch.no_grad():
+        inputs = checkpoint.first_block_inputs(windows, 2)
+        assert len(inputs.by_layer) == checkpoint.num_layers and inputs.kwargs is inputs.by_layer[0]
+        first, last = inputs.by_layer[0][0], inputs.by_layer[-1][0]
+        full, sliding = first["attention_mask"], last["attention_mask"]  # sdpa: None where plain causal
+        assert sliding is not None and (full is None or not torch.equal(full, sliding))
+        for index in range(checkpoint.num_layers):
+            block = checkpoint.materialize(checkpoint.layer_prefix(index))
+            inputs = inputs.at(index)
+            inputs.hidden = run_layer(block, inputs)
+            checkpoint.release(checkpoint.layer_prefix(index))
+        norm = checkpoint.materialize(family.final_norm)
+        head = checkpoint.materialize(family.embeddings if checkpoint.tied else family.head)
+        hidden = norm(inputs.hidden[0])
+        logits = hidden @ head.weight.T
+        reference = model(torch.from_numpy(windows[:2])).logits
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("untie", [False, True])
 def test_streamed_write_loads_back_as_the_same_model(tiny_llama: Path, tmp_path: Path, untie: bool) -> None:
     checkpoint = StreamedCheckpoint(tiny_llama)
