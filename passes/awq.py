@@ -67,7 +67,7 @@ from passes.int4 import (
 )
 from pipeline.core.config import MAX_REPEATS, MAX_SAMPLES, check_int
 from pipeline.core.distributed import Group
-from pipeline.core.families import Family, Smoothing
+from pipeline.core.families import Family, Smoothing, divide_gain
 from pipeline.core.torch_model import LM_HEAD
 
 log = logging.getLogger(__name__)
@@ -117,15 +117,16 @@ def validate_awq(config: Any) -> None:
     check_int("quant.sketch_rows", config.sketch_rows, 0, MAX_SKETCH_ROWS)  # 0: the exact Gram matrix
 
 
-def fold_scales(prev: Any, linears: list[Any], scales: Any) -> None:
+def fold_scales(prev: Any, linears: list[Any], scales: Any, norm_offset: float = 0.0) -> None:
     """Divide ``prev``'s output channels by ``scales`` and multiply the consumers' input columns
-    by them: ``W diag(s) (x / s) = W x``, so the model's function is unchanged."""
+    by them: ``W diag(s) (x / s) = W x``, so the model's function is unchanged. ``norm_offset``:
+    what the family's RMSNorm adds to its weight (Gemma: 1)."""
     if hasattr(prev, "out_features"):  # a linear: its output rows
         prev.weight.data.div_(scales[:, None])
         if prev.bias is not None:
             prev.bias.data.div_(scales)
     else:  # RMSNorm: its gain
-        prev.weight.data.div_(scales)
+        divide_gain(prev.weight.data, scales, norm_offset)
     for linear in linears:
         linear.weight.data.mul_(scales[None, :])
 
@@ -463,7 +464,7 @@ class AwqPass(TorchInt4Pass):
         for group in groups:
             if group.name in chosen:
                 scales = chosen[group.name][0]
-                fold_scales(group.prev, list(group.linears.values()), scales)
+                fold_scales(group.prev, list(group.linears.values()), scales, self.family.norm_offset)
                 if group.stats is not None:  # the inputs are now x / s
                     group.stats = group.stats.rescaled(scales)
         results = {}

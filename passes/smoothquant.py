@@ -65,7 +65,7 @@ from pipeline.core.base import Pass
 from pipeline.core.config import MAX_BATCH, check_number
 from pipeline.core.distributed import Group
 from pipeline.core.errors import CalibrationError, PassError
-from pipeline.core.families import Family, family_of, head_dim
+from pipeline.core.families import Family, divide_gain, family_of, head_dim
 from pipeline.core.files import read_json
 from pipeline.core.placement import CPU_FLOAT32, ResolvedPlacement
 from pipeline.core.planned_model import PlannedModel
@@ -279,6 +279,7 @@ def smooth_modules(
     import torch
 
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
+    offset = family_of(hf).norm_offset  # Gemma's RMSNorm scales by (1 + weight)
     width = head_dim(hf.to_dict())
     divided: dict[str, Any] = {}
     done: list[str] = []
@@ -302,7 +303,7 @@ def smooth_modules(
                 producer_scale = scale
             producer = modules[group.producer]
             if group.kind == "norm":
-                producer.weight.div_(producer_scale)
+                divide_gain(producer.weight, producer_scale, offset)
             else:  # a linear layer's output rows (up_proj, v_proj)
                 producer.weight.div_(producer_scale[:, None])
                 if getattr(producer, "bias", None) is not None:

@@ -234,6 +234,16 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
 )
 
 
+def divide_gain(weight: Any, scales: Any, offset: float) -> None:
+    """Divide an RMSNorm's gain by ``scales`` in place (a torch tensor): Llama's gain is the
+    weight, Gemma's ``offset + weight`` (:attr:`Family.norm_offset`), so its weight becomes
+    ``(offset + weight) / scales - offset``."""
+    if offset:
+        weight.add_(offset).div_(scales).sub_(offset)
+    else:
+        weight.div_(scales)
+
+
 def supported() -> str:
     """The families we build, for messages: ``Llama (LlamaForCausalLM)``."""
     return ", ".join(

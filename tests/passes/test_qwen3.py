@@ -146,7 +146,7 @@ def test_a_gguf_of_another_family_is_refused_before_it_is_loaded(tmp_path: Path)
     from pipeline.core.errors import SourceError
     from pipeline.sources import convert_gguf
 
-    writer = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "gemma3")
+    writer = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "phi3")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -154,9 +154,9 @@ def test_a_gguf_of_another_family_is_refused_before_it_is_loaded(tmp_path: Path)
     with pytest.raises(SourceError) as error:
         convert_gguf(tmp_path / "other.gguf", tmp_path / "converted")
     assert str(error.value) == (
-        f"{tmp_path / 'other.gguf'} holds llama.cpp architecture 'gemma3': the GGUFs converted are llama, "
+        f"{tmp_path / 'other.gguf'} holds llama.cpp architecture 'phi3': the GGUFs converted are llama, "
         "qwen2, qwen3 (Llama (LlamaForCausalLM), Qwen2 (Qwen2ForCausalLM), Mistral (MistralForCausalLM), "
-        "Qwen3 (Qwen3ForCausalLM))"
+        "Qwen3 (Qwen3ForCausalLM), Gemma 3 (Gemma3ForCausalLM))"
     )
     assert not (tmp_path / "converted").exists()
 
