@@ -24,6 +24,17 @@ def engine_max_length(metadata: dict[str, Any], configured: int) -> int:
     return min(configured, model_max) if configured else model_max
 
 
+def window_buffers(kv_cache: dict[str, Any], layers: int, max_length: int) -> list[int]:
+    """Each layer's shared-buffer positions an engine of ``max_length`` keeps (``io.kv_capacity``):
+    the kv_cache pass's window buffer where shorter than ``max_length`` (it evicts in place), else
+    0 (the whole ``max_length``, never full); [] where no layer's buffer is shorter. A record
+    written before buffers were per layer holds one int for every layer."""
+    capacity = kv_cache.get("capacity") or []
+    sizes = [capacity] * layers if isinstance(capacity, int) else list(capacity)
+    kept = [size if 0 < size < max_length else 0 for size in sizes]
+    return kept if any(kept) else []
+
+
 FP8_CACHE_UNFUSED = (
     "build: kv_cache.dtype=fp8 is stored by the fusion pass, which did not run on this graph: "
     "add fusion=ort (or fusion=tensorrt)"

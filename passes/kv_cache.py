@@ -142,7 +142,7 @@ class KvCachePass(CalibratesOnWindows, Pass):
     Config = KvCacheConfig
     name = "kv_cache"
     knob_group = "kv_cache"
-    version = 4  # 3: the input's files hard-linked, not copied; 4: a buffer per layer
+    version = 5  # 3: the input's files hard-linked, not copied; 4: a buffer per layer; 5: own windows
     memory_profile = "graph"  # files linked; int8/fp8 calibrate in an ONNX Runtime session
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
@@ -162,8 +162,10 @@ class KvCachePass(CalibratesOnWindows, Pass):
         """The ``kv_cache`` entry of the output's metadata, but for the calibrated scales.
         ``window``: ``kv_cache.window``, narrowed to the widest layer's window where every layer
         has one of its own (Mistral's ``sliding_window``), which the graph keeps either way.
-        ``capacity``: with a shared layout and a window, each layer's buffer of its own window
-        (a Qwen2 layer past ``max_window_layers`` keeps a shorter one than the build's window)."""
+        ``capacity``: with a shared layout, each windowed layer's buffer of its window (the
+        model's own, as Gemma 3's local layers, or ``kv_cache.window``, whichever is shorter);
+        0: a layer that attends to every position keeps the engine's max_length. The engine
+        build drops the buffers at least as long as its max_length, which never evict."""
         window = self.config.window
         windows = layer_windows(config, window)
         if window:
@@ -174,8 +176,8 @@ class KvCachePass(CalibratesOnWindows, Pass):
             "window": window,
             "paged_block_size": self.config.paged_block_size,
         }
-        if self.config.layout == Layout.shared and window:
-            layout["capacity"] = [window_capacity(size) for size in windows]
+        if self.config.layout == Layout.shared and any(windows):
+            layout["capacity"] = [window_capacity(size) if size else 0 for size in windows]
         if self.config.dtype == KvDtype.fp8:
             layout["fp8_scale"] = Fp8Scale(self.config.fp8_scale).value
         return layout

@@ -39,6 +39,7 @@ from passes.engine_common import (
     metadata_model_file,
     needs_gqa,
     profile_shapes,
+    window_buffers,
 )
 from passes.fusion.int8_prefill import PREFILL_MODEL_FILE, prefill_model
 from pipeline.core.artifacts import ARTIFACT_FILE, Artifact, Kind, read_metadata, write_json, write_metadata
@@ -234,8 +235,8 @@ class OrtCpuBuildPass(Pass):
                     **metadata["io"],
                     "kv_layout": kv.get("layout", "concat"),
                     "window": kv.get("window", 0),
-                    # each layer's window-sized shared buffer (none: max_length positions)
-                    "kv_capacity": kv.get("capacity", []),
+                    # each layer's window-sized shared buffer (0, or none: max_length positions)
+                    "kv_capacity": window_buffers(kv, metadata["io"]["num_layers"], max_length),
                 },
                 "kv_cache": kv,
                 "tokens": metadata["tokens"],
@@ -260,7 +261,7 @@ class OrtCpuBuildPass(Pass):
         return (
             self.providers()[0] == "CPUExecutionProvider"
             and kv.get("dtype") == "int8"
-            and not kv.get("capacity")
+            and not any(kv.get("capacity") or [])
         )
 
     def genai_providers(self) -> list[dict[str, Any]]:

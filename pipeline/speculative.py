@@ -67,7 +67,8 @@ def build_draft(
     back its cache."""
     if read_engine_spec(target.path, graphs=False).io.kv_capacity:
         raise ConfigError(
-            "speculative=draft with a sliding-window KV buffer (kv_cache.window with layout=shared): "
+            "speculative=draft with a sliding-window KV buffer (layout=shared with kv_cache.window or "
+            "the model's own windows): "
             "the buffer evicts in place and cannot roll back rejected draft tokens; use layout=concat"
         )
     log.info("draft engine for speculative decoding")

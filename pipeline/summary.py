@@ -373,8 +373,11 @@ def _kv_cache_note(kv: dict[str, Any]) -> str:
     parts = [kv["layout"], kv["dtype"]]
     if "calibration" in kv:
         parts[-1] += f" (calibrated on {kv['calibration']['tokens']} tokens)"
+    capacity = kv.get("capacity")
+    sizes = sorted({size for size in (capacity if isinstance(capacity, list) else [capacity]) if size})
+    held = "" if not sizes else f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
     if kv.get("window"):
-        sizes = sorted(set(kv["capacity"] if isinstance(kv.get("capacity"), list) else [kv.get("capacity")]))
-        held = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
-        parts.append(f"window {kv['window']}" + (f" in {held} positions" if sizes[-1] else ""))
+        parts.append(f"window {kv['window']}" + (f" in {held} positions" if held else ""))
+    elif held:  # the model's own windows (Gemma 3's local layers)
+        parts.append(f"windowed layers in {held} positions")
     return ", ".join(parts)

@@ -329,6 +329,8 @@ def set_layer_windows(graph: ir.Graph, windows: tuple[int, ...]) -> list[str]:
             continue
         size = windows[int(match.group(1))]
         node.attributes["local_window_size"] = ir.AttrInt64("local_window_size", size or -1)
+        if not size and "sliding_window_cache" in node.attributes:  # a full layer keeps max_length
+            node.attributes["sliding_window_cache"] = ir.AttrInt64("sliding_window_cache", 0)
     return unknown
 
 

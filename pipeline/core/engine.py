@@ -62,10 +62,9 @@ class IOSpec:
     kv_layout: str = "concat"
     # Sliding-window attention bound (0: none); the graph enforces it, recorded for consumers.
     window: int = 0
-    # Positions of each layer's shared buffer that keeps only that layer's window (empty: every
-    # buffer holds the engine's max_length); GroupQueryAttention evicts the oldest rows in
-    # place, so any length fits. A layer whose own window is shorter than the build's (Qwen2
-    # past max_window_layers, Gemma's local layers) keeps a shorter buffer.
+    # Positions of each layer's shared buffer that keeps only that layer's window (0, or empty
+    # for every layer: the engine's max_length); GroupQueryAttention evicts the oldest rows in
+    # place. Gemma 3's local layers keep their window, its global ones max_length.
     kv_capacity: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -82,7 +81,7 @@ class IOSpec:
 
     def layer_capacity(self, layer: int, max_length: int) -> int:
         """Positions of layer ``layer``'s shared buffer: its window buffer, else ``max_length``."""
-        return self.kv_capacity[layer] if self.kv_capacity else max_length
+        return (self.kv_capacity[layer] if self.kv_capacity else 0) or max_length
 
     def past_names(self) -> list[str]:
         return [f"past_key_values.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
@@ -298,10 +297,10 @@ class _Fields:
         if (
             not isinstance(value, list)
             or len(value) not in (0, layers)
-            or any(type(size) is not int or not 2 <= size <= 1 << 24 for size in value)
+            or any(type(size) is not int or not (size == 0 or 2 <= size <= 1 << 24) for size in value)
         ):
-            raise self.bad(key, f"a list of {layers} integers from 2 to {1 << 24} (one per layer)")
-        return tuple(value)
+            raise self.bad(key, f"a list of {layers} integers, each 0 or from 2 to {1 << 24} (one per layer)")
+        return tuple(value) if any(value) else ()
 
     def boolean(self, key: str, default: bool) -> bool:
         value = self.data.get(key, default)
@@ -830,10 +829,10 @@ def read_engine_spec(folder: Path | str, *, graphs: bool = True, _nested: bool =
     target = spec.choice("target", TARGETS)
     io = parse_io(spec.mapping("io", required=True), where)
     max_length = spec.integer("max_length", 1, 1 << 24, 2048)
-    if io.kv_capacity and (io.kv_layout != "shared" or not io.window or max(io.kv_capacity) < io.window):
+    if io.kv_capacity and io.kv_layout != "shared":
         raise spec.error(
-            f"io.kv_capacity={list(io.kv_capacity)} with kv_layout {io.kv_layout!r} and window {io.window}: "
-            "only a shared layout holds window buffers, and the widest at least the window"
+            f"io.kv_capacity={list(io.kv_capacity)} with kv_layout {io.kv_layout!r}: only a shared "
+            "layout holds window buffers"
         )
     session = _Fields(spec.mapping("session") or {}, where, "session.")
     threads = session.integer("intra_op_num_threads", 0, 4096, 0)

@@ -118,13 +118,14 @@ class OrtModel:
                 f"{model_path}: a shared KV layout needs the buffer capacity (the engine's max_length)"
             )
         shared = io.kv_layout == "shared"
-        # Each layer's buffer positions (its window buffer, else the engine's max_length); the
-        # widest bounds a prompt where the buffers do not evict.
+        # Each layer's buffer positions (its window buffer, else the engine's max_length).
         self.capacities = (
             tuple(io.layer_capacity(i, capacity) for i in range(io.num_layers)) if shared else ()
         )
         self.capacity = max(self.capacities, default=0)
-        self._evicts = shared and bool(io.kv_capacity)  # window-sized buffers: never full
+        self._evicts = shared and bool(io.kv_capacity)  # some window-sized buffers evict in place
+        # A sequence fits while every buffer that does not evict holds it (None: all evict).
+        self._fits = None if shared and io.kv_capacity and all(io.kv_capacity) else self.capacity
         # on a GPU provider the KV cache stays in device memory between steps
         self.device = "cuda" if providers and providers[0] in GPU_PROVIDERS else "cpu"
 
@@ -277,9 +278,9 @@ class OrtModel:
         return logits
 
     def _check_capacity(self, attention_mask: np.ndarray) -> None:
-        if attention_mask.shape[1] > self.capacity and not self._evicts:
+        if self._fits is not None and attention_mask.shape[1] > self._fits:
             raise EngineError(
-                f"{attention_mask.shape[1]} tokens exceed the shared KV buffer ({self.capacity} positions)"
+                f"{attention_mask.shape[1]} tokens exceed the shared KV buffer ({self._fits} positions)"
             )
 
     def cache_arrays(self, cache: list[ort.OrtValue]) -> list[np.ndarray]:
@@ -601,7 +602,7 @@ def check_draft_specs(target: EngineSpec, draft: EngineSpec) -> None:
         if io.kv_capacity:
             raise EngineError(
                 f"{folder} keeps a sliding-window KV buffer, which cannot roll back rejected "
-                "draft tokens: build without kv_cache.window or without speculative=draft"
+                "draft tokens: build with kv_cache=concat or without speculative=draft"
             )
 
 
@@ -619,15 +620,15 @@ def check_kv_layout(io: IOSpec, model_file: Path, where: Path) -> None:
         raise EngineError(
             f"{where} records kv_layout '{io.kv_layout}'; this runtime knows {', '.join(KV_LAYOUTS)}"
         )
-    if io.kv_capacity and (io.kv_layout != "shared" or not io.window):
+    if io.kv_capacity and io.kv_layout != "shared":
         raise EngineError(
             f"{where} records window buffers of {list(io.kv_capacity)} positions for kv_layout "
-            f"'{io.kv_layout}' and window {io.window}: only a shared layout holds a window; rebuild it"
+            f"'{io.kv_layout}': only a shared layout holds a window; rebuild it"
         )
     if io.kv_capacity:
         for layer, window in graph_layer_windows(model_file).items():
             size = io.kv_capacity[layer] if layer < len(io.kv_capacity) else 0
-            if window <= 0 or size < window:
+            if size and (window <= 0 or size < window):
                 raise EngineError(
                     f"{where} records a {size}-position buffer for layer {layer}, whose attention "
                     f"window in {model_file.name} is {window if window > 0 else 'unbounded'}: a "

@@ -22,6 +22,7 @@ PARITY_PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. Once upon a t
 # A fixed prompt of token ids below any vocabulary we build (the tiny test model has 320).
 PARITY_PROMPT_IDS = (1, 42, 7, 99, 3, 250, 17, 5, 64, 128, 11, 300, 23, 77, 9, 180)
 PARITY_DECODE_STEPS = 6
+PARITY_BUFFER = 256  # positions of a full layer's shared buffer in the parity check
 
 
 def _parity_model(folder: Path, optimization: str) -> Any:
@@ -36,7 +37,7 @@ def _parity_model(folder: Path, optimization: str) -> Any:
         folder / model_file(folder),
         io,
         optimization=optimization,
-        capacity=max(io.kv_capacity, default=0),
+        capacity=max((*io.kv_capacity, PARITY_BUFFER)),  # a full layer's buffer: the prompt and steps
         prepack=False,
     )
 

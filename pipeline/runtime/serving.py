@@ -29,8 +29,9 @@ batch's KV cache (rows x the longest row, padding included, each row counted at 
 length) stays within ``max_kv_tokens``; a request that could never fit is refused when it is
 submitted (:class:`ServingError`), one that does not fit now waits.
 
-Refused with one line: a sliding-window buffer (``kv_cache.window``, which evicts each row at its
-own length) and engines on a GPU with a shared buffer (the pool lives in host memory).
+Refused with one line: a sliding-window buffer (a shared layout with ``kv_cache.window`` or a
+model's own windows shorter than max_length, which evicts each row at its own length) and
+engines on a GPU with a shared buffer (the pool lives in host memory).
 """
 
 from __future__ import annotations
@@ -621,8 +622,9 @@ def batch_rows(engine: Any, limits: ServingLimits) -> _Rows:
         )
     if io.kv_capacity:
         raise ServingError(
-            f"{engine.folder}: a sliding-window KV buffer (kv_cache.window) evicts each row at its "
-            "own length, which the server cannot batch: serve an engine built without kv_cache.window"
+            f"{engine.folder}: a sliding-window KV buffer (kv_cache.window, or the model's own windows, "
+            "with layout=shared) evicts each row at its own length, which the server cannot batch: serve "
+            "an engine built with kv_cache=concat"
         )
     if io.kv_layout == "concat":
         return _RightPaddedRows(model, limits)

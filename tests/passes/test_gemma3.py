@@ -91,6 +91,23 @@ def test_the_fused_decode_matches_its_prefill_past_the_window(
     assert relative_error(decoded, reference[-steps:]) <= TOLERANCE
 
 
+def test_a_shared_cache_keeps_only_the_window_of_the_local_layer_and_decodes_exactly(
+    checkpoint: Path, tmp_path: Path, reference: np.ndarray
+) -> None:
+    """kv_cache=shared: the sliding layer's buffer holds its window and a quarter (it evicts in
+    place), the full layer's the engine's max_length; decoding past the window still matches
+    transformers, whose full layer sees every position."""
+    from pipeline.runtime import Engine
+
+    engine, _ = build(["kv_cache=shared", "fusion=ort"], checkpoint, tmp_path)
+    spec = json.loads((engine.path / "engine.json").read_text())
+    assert (spec["io"]["window"], spec["io"]["kv_capacity"]) == (0, [WINDOW + WINDOW // 4, 0])
+    cache = Engine(engine.path).model.empty_cache(1)
+    assert [value.shape()[2] for value in cache] == [80, 80, spec["max_length"], spec["max_length"]]
+    decoded = onnx_decode(engine.path, random_ids(), PARITY_POSITIONS - 16)
+    assert relative_error(decoded, reference[-16:]) <= TOLERANCE
+
+
 def test_smoothing_folds_into_gemmas_norms_without_changing_the_function(checkpoint: Path) -> None:
     """AWQ's fold of random scales into every group's producer (the 1 + weight norms, v_proj, up_proj)
     and into the final norm before the head keeps the logits."""

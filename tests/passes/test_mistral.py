@@ -95,14 +95,17 @@ def test_the_fused_decode_matches_its_prefill_past_the_window(
     assert relative_error(decoded, reference[-STEPS:]) <= TOLERANCE
 
 
+@pytest.mark.parametrize(("bound", "window"), [(0, 0), (1000, WINDOW)], ids=["own-window", "window-1000"])
 def test_a_shared_buffer_holds_only_the_window_and_decodes_exactly(
-    checkpoint: Path, tmp_path: Path, reference: np.ndarray
+    checkpoint: Path, tmp_path: Path, reference: np.ndarray, bound: int, window: int
 ) -> None:
-    """kv_cache.window=1000 on a model whose window is 64: the buffer is the model's window (and a
-    quarter), GroupQueryAttention evicts in place, and the decode still matches transformers."""
-    engine, _ = build(["kv_cache=shared", "kv_cache.window=1000", "fusion=ort"], checkpoint, tmp_path)
+    """A shared layout on a model whose window is 64, with no kv_cache.window or one of 1000: each
+    buffer is the model's window (and a quarter), GroupQueryAttention evicts in place, and the
+    decode still matches transformers."""
+    recipe = ["kv_cache=shared", f"kv_cache.window={bound}", "fusion=ort"]
+    engine, _ = build(recipe, checkpoint, tmp_path)
     spec = json.loads((engine.path / "engine.json").read_text())
-    assert (spec["io"]["window"], spec["io"]["kv_capacity"]) == (WINDOW, [WINDOW + WINDOW // 4] * 2)
+    assert (spec["io"]["window"], spec["io"]["kv_capacity"]) == (window, [WINDOW + WINDOW // 4] * 2)
     decoded = onnx_decode(engine.path, random_ids(), PARITY_POSITIONS - STEPS)
     assert relative_error(decoded, reference[-STEPS:]) <= TOLERANCE
 

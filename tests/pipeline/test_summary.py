@@ -25,6 +25,8 @@ def test_the_kv_cache_note_names_layout_dtype_calibration_and_window() -> None:
     per_layer = {**kv, "capacity": [320, 80, 320]}  # layers with shorter windows of their own
     assert _kv_cache_note(per_layer).endswith("window 256 in 80-320 positions")
     assert _kv_cache_note({**kv, "capacity": [320, 320]}).endswith("window 256 in 320 positions")
+    own = {"layout": "shared", "dtype": "fp32", "window": 0, "capacity": [640, 640, 0]}  # Gemma 3's
+    assert _kv_cache_note(own) == "shared, fp32, windowed layers in 640 positions"
 
 
 # --------------------------------------------------------------------------------------------
