@@ -200,7 +200,9 @@ def test_engines_that_cannot_batch_are_refused(tiny_graph: Artifact, tmp_path: P
     # the window changes what attention sees: layout() skips the fusion's parity check against
     # the unwindowed graph, as the kv_cache tests do
     window = Engine(build(layout(tiny_graph, tmp_path, layout="shared", window=8), tmp_path / "engine").path)
-    with pytest.raises(ServingError, match=r"a sliding-window KV buffer .* evicts each row .* kv_cache=concat"):
+    with pytest.raises(
+        ServingError, match=r"a sliding-window KV buffer .* evicts each row .* kv_cache=concat"
+    ):
         serve(window, [Request([5, 6, 7], 4)])
 
 
