@@ -213,8 +213,9 @@ class OrtCpuBuildPass(Pass):
             out_dir / GENAI_CONFIG, genai_config(metadata, max_length, threads, self.genai_providers())
         )
         kv = metadata.get("kv_cache", {})
+        buffers = window_buffers(kv, metadata["io"]["num_layers"], max_length)
         prefill = {}
-        if self.writes_prefill_graph(kv):
+        if self.writes_prefill_graph(kv, buffers):
             prefill = {"prefill_model_file": PREFILL_MODEL_FILE}
             write_prefill_graph(out_dir / metadata["model_file"], out_dir / PREFILL_MODEL_FILE)
         write_json(
@@ -236,7 +237,7 @@ class OrtCpuBuildPass(Pass):
                     "kv_layout": kv.get("layout", "concat"),
                     "window": kv.get("window", 0),
                     # each layer's window-sized shared buffer (0, or none: max_length positions)
-                    "kv_capacity": window_buffers(kv, metadata["io"]["num_layers"], max_length),
+                    "kv_capacity": buffers,
                 },
                 "kv_cache": kv,
                 "tokens": metadata["tokens"],
@@ -255,14 +256,11 @@ class OrtCpuBuildPass(Pass):
     def providers(self) -> list[str]:
         return ["CPUExecutionProvider"]
 
-    def writes_prefill_graph(self, kv: dict[str, Any]) -> bool:
+    def writes_prefill_graph(self, kv: dict[str, Any], buffers: list[int]) -> bool:
         """An int8 cache on ONNX Runtime's CPU kernel, which prefills slowly (int8_prefill.py);
-        not a window buffer, whose kernel evicts in place. CUDA has its own int8 kernels."""
-        return (
-            self.providers()[0] == "CPUExecutionProvider"
-            and kv.get("dtype") == "int8"
-            and not any(kv.get("capacity") or [])
-        )
+        not with window ``buffers`` (:func:`window_buffers`), which the kernel evicts in place.
+        CUDA has its own int8 kernels."""
+        return self.providers()[0] == "CPUExecutionProvider" and kv.get("dtype") == "int8" and not buffers
 
     def genai_providers(self) -> list[dict[str, Any]]:
         """ONNX Runtime GenAI's ``provider_options`` for this target (empty: CPU)."""

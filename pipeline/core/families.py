@@ -238,8 +238,8 @@ def divide_gain(weight: Any, scales: Any, offset: float) -> None:
     """Divide an RMSNorm's gain by ``scales`` in place (a torch tensor): Llama's gain is the
     weight, Gemma's ``offset + weight`` (:attr:`Family.norm_offset`), so its weight becomes
     ``(offset + weight) / scales - offset``."""
-    if offset:
-        weight.add_(offset).div_(scales).sub_(offset)
+    if offset:  # in float32: (offset + w) / s - offset in bf16 loses a small gain's digits
+        weight.copy_((weight.float() + offset) / scales.float() - offset)
     else:
         weight.div_(scales)
 

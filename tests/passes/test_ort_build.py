@@ -64,3 +64,15 @@ def test_requires_an_exported_graph(tiny_graph: Artifact, tmp_path: Path) -> Non
 def test_negative_target_settings_are_refused_when_built(knob: str) -> None:
     with pytest.raises(PassError, match=rf"^target\.{knob}=-3: must be 0 \(the default\) or more$"):
         OrtCpuBuildPass(**{knob: -3})
+
+
+def test_window_buffers_keep_only_the_buffers_shorter_than_max_length() -> None:
+    """Per layer: a window buffer shorter than the engine's max_length evicts in place; one at least
+    as long never fills and is dropped (0: max_length); none shorter: no window buffers at all. A
+    record written before buffers were per layer holds one int for every layer."""
+    from passes.engine_common import window_buffers
+
+    assert window_buffers({"capacity": [80, 0, 5120]}, 3, 2048) == [80, 0, 0]
+    assert window_buffers({"capacity": [5120, 0]}, 2, 2048) == []
+    assert window_buffers({"capacity": 80}, 2, 2048) == [80, 80]  # an old record
+    assert window_buffers({}, 2, 2048) == []

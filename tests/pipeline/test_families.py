@@ -123,3 +123,23 @@ def test_every_family_has_its_config_bounds_and_every_bound_its_family() -> None
 def test_a_planned_model_knows_its_family(tiny_llama: Path) -> None:
     plan = PlannedModel.of(Artifact.from_dir(Kind.TORCH, tiny_llama))
     assert plan is not None and plan.family is LLAMA
+
+
+def test_gemmas_gain_is_divided_not_its_weight_in_any_dtype() -> None:
+    """Gemma's gain 1 + w divided by s, for a bfloat16 weight near -1 and large scales: the gain
+    is the float32 quotient up to the weight's own bf16 rounding (one rounding, at the store);
+    Llama's gain, the weight itself, is divided as it is."""
+    import torch
+
+    from pipeline.core.families import divide_gain
+
+    weight = torch.tensor([-0.9, 0.5, -0.999], dtype=torch.bfloat16)
+    scales = torch.tensor([8.0, 0.5, 3.0])
+    expected = (weight.float() + 1) / scales - 1
+    divide_gain(weight, scales, 1.0)
+    assert weight.dtype == torch.bfloat16
+    gain, wanted = weight.float() + 1, expected + 1
+    assert torch.allclose(gain, wanted, rtol=0.05, atol=1e-3), (gain, wanted)
+    plain = torch.tensor([2.0, 4.0])
+    divide_gain(plain, torch.tensor([2.0, 8.0]), 0.0)  # Llama's gain is the weight
+    assert plain.tolist() == [1.0, 0.5]
