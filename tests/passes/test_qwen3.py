@@ -148,8 +148,8 @@ def test_a_gguf_of_another_family_is_refused_before_it_is_loaded(tmp_path: Path)
         convert_gguf(tmp_path / "other.gguf", tmp_path / "converted")
     assert str(error.value) == (
         f"{tmp_path / 'other.gguf'} holds llama.cpp architecture 'phi3': the GGUFs converted are llama, "
-        "qwen2, qwen3 (Llama (LlamaForCausalLM), Qwen2 (Qwen2ForCausalLM), Mistral (MistralForCausalLM), "
-        "Qwen3 (Qwen3ForCausalLM), Gemma 3 (Gemma3ForCausalLM))"
+        "qwen2, qwen3, gemma3 (Llama (LlamaForCausalLM), Qwen2 (Qwen2ForCausalLM), "
+        "Mistral (MistralForCausalLM), Qwen3 (Qwen3ForCausalLM), Gemma 3 (Gemma3ForCausalLM))"
     )
     assert not (tmp_path / "converted").exists()
 
