@@ -52,7 +52,7 @@ PRUNE_KD = [
     "fusion=ort",
 ]
 # A depth-pruned, distilled INT4 draft (configs/speculative/draft.yaml), kept short.
-DRAFT = [
+DRAFT_KNOBS = [
     "speculative=draft",
     "speculative.draft.prune.depth_ratio=0.5",
     "speculative.draft.prune.calibration.num_samples=4",
@@ -61,8 +61,8 @@ DRAFT = [
     "speculative.draft.distill.seq_len=32",
     "speculative.draft.distill.batch_size=2",
     "speculative.draft.distill.micro_batch_size=1",
-    "fusion=ort",
 ]
+DRAFT = [*DRAFT_KNOBS, "fusion=ort"]
 
 
 def make_tiny(model_type: str, folder: Path, seed: int = 0, **overrides: Any) -> Path:

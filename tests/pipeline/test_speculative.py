@@ -11,18 +11,12 @@ import pytest
 
 from pipeline.core.graph_io import graph_ops
 from pipeline.runtime import Engine
+from tests.families import DRAFT_KNOBS
 from tests.pipeline.test_main import QUICK_BENCH, run_pipeline
 
 DRAFT = [
-    "speculative=draft",
+    *DRAFT_KNOBS,
     "speculative.k=3",
-    "speculative.draft.prune.depth_ratio=0.5",
-    "speculative.draft.prune.calibration.num_samples=4",
-    "speculative.draft.prune.calibration.seq_len=32",
-    "speculative.draft.distill.steps=2",
-    "speculative.draft.distill.seq_len=32",
-    "speculative.draft.distill.batch_size=2",
-    "speculative.draft.distill.micro_batch_size=1",
     "bench.speculative_prompts=2",
     "bench.speculative_prompt_length=64",
 ]
