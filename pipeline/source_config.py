@@ -471,6 +471,40 @@ GEMMA3 = FamilyBounds(
     refused=(*COMMON_REFUSED, softcapping_refused, bidirectional_refused),
 )
 
+
+def partial_rotary_refused(config: Mapping[str, Any]) -> str | None:
+    """A rotary of part of each head (Phi-4-mini's ``partial_rotary_factor`` 0.75): Mistral's block,
+    which Phi-3 is converted to, rotates the whole head."""
+    tables = [("", config)] + [(f"{key}.", table) for key, table in _ropes(config)]
+    for prefix, table in tables:
+        factor = table.get("partial_rotary_factor")
+        if factor is not None and factor != 1:
+            return (
+                f"{prefix}partial_rotary_factor={shown(factor)}: this build rotates whole heads only (a "
+                "partial rotary is not implemented); use a checkpoint whose factor is 1.0"
+            )
+    return None
+
+
+# Phi-3 and Phi-3.5-mini (Phi3Config), converted to Mistral's layout at import (pipeline/phi3.py).
+PHI3 = FamilyBounds(
+    fields={
+        **COMMON_FIELDS,
+        "sliding_window": Integer(most="positions an engine holds (2^24)", nullable=True),
+        "original_max_position_embeddings": Integer(
+            high=ENGINE_MAX, most="positions an engine holds (2^24)", nullable=True
+        ),
+        "resid_pdrop": Number(low=0, high=1, closed_low=True, closed_high=True, nullable=True),
+        "embd_pdrop": Number(low=0, high=1, closed_low=True, closed_high=True, nullable=True),
+        "partial_rotary_factor": Number(low=0, high=1, closed_high=True, nullable=True),
+        "attention_bias": Flag(),
+    },
+    relations=COMMON_RELATIONS,
+    # Phi3Config's defaults of the fields the rules and relations read
+    defaults={"vocab_size": 32064, "hidden_size": 3072, "num_attention_heads": 32, "num_hidden_layers": 32},
+    refused=(*COMMON_REFUSED, partial_rotary_refused),
+)
+
 # model_type -> what its config.json may hold (the families of pipeline/core/families.py).
 BOUNDS: dict[str, FamilyBounds] = {
     "llama": LLAMA,
@@ -478,6 +512,7 @@ BOUNDS: dict[str, FamilyBounds] = {
     "mistral": MISTRAL,
     "qwen3": QWEN3,
     "gemma3_text": GEMMA3,
+    "phi3": PHI3,
 }
 
 # generation_config.json: the export reads its eos_token_id before config.json's (passes/export.py).

@@ -48,7 +48,7 @@ from pipeline.config import ModelConfig, check_path_name
 from pipeline.core.artifacts import Artifact, Kind, sha256_file, write_json, write_metadata
 from pipeline.core.engine import TOKENIZER_JSON_MAX_BYTES
 from pipeline.core.errors import SourceError, first_line
-from pipeline.core.families import FAMILIES, family_of, supported
+from pipeline.core.families import FAMILIES, IMPORTED, PHI3_IMPORT, family_of, supported
 from pipeline.core.files import (
     UnsafeFileError,
     describe_mode,
@@ -137,6 +137,10 @@ def resolve_source(model: ModelConfig, models_dir: Path, staging_max_age_s: floa
     info = check_hf_llama(folder, where)
     if origin["kind"] == "local":
         origin["path"] = os.path.realpath(folder)
+    if info["architecture"] in PHI3_IMPORT.architectures:
+        folder = import_phi3(folder, Path(models_dir), staging_max_age_s)
+        origin["converted_from"] = PHI3_IMPORT.model_type
+        info = check_hf_llama(folder, f"{where} converted to {folder}")
     artifact = Artifact.from_dir(Kind.TORCH, folder)
     return Artifact(Kind.TORCH, folder, artifact.digest, {**info, "origin": origin})
 
@@ -315,14 +319,18 @@ def check_hf_llama(folder: Path, where: str | None = None) -> dict[str, Any]:
     if not present(folder, "config.json", files):
         raise SourceError(f"{config_path} is missing: model.path must be a Hugging Face checkpoint folder")
     config = read_json_object(config_path)
-    check_no_remote_code(folder, where, config)
+    imported = IMPORTED.get(config.get("model_type"))  # type: ignore[arg-type]
+    # A Phi-3 hub config keeps the auto_map of the days before transformers had Phi-3's classes:
+    # never run (trust_remote_code is never set), and the conversion drops it (pipeline/phi3.py).
+    shown_config = {k: v for k, v in config.items() if k != "auto_map"} if imported else config
+    check_no_remote_code(folder, where, shown_config)
     architectures = config.get("architectures") or []
     if not (isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)):
         raise SourceError(
             f"{config_path} has architectures={architectures!r}, not a list of names: expected "
             '["LlamaForCausalLM"]; re-save the checkpoint'
         )
-    family = FAMILIES.get(config.get("model_type"))  # type: ignore[arg-type]
+    family = FAMILIES.get(config.get("model_type")) or imported  # type: ignore[arg-type]
     if family is None or not set(architectures) & set(family.architectures):
         found = ", ".join(architectures) or str(config.get("model_type") or "none")
         raise SourceError(
@@ -571,7 +579,8 @@ def _legacy_buffers(plan: PlannedModel) -> dict[str, PlannedTensor]:
     """Tensors older transformers saved that today's loader skips: each layer's rotary
     ``inv_freq`` (now one buffer of the model). Accepted, never required, at the skeleton's shape."""
     buffers = dict(plan.skeleton.named_buffers())
-    family = plan.family
+    # an imported family is converted before any pass: its checkpoint keeps Llama's module names
+    family = FAMILIES["llama"] if plan.config.get("model_type") in IMPORTED else plan.family
     inv_freq = buffers.get(f"{family.rotary}.inv_freq")
     if inv_freq is None:
         return {}
@@ -644,6 +653,63 @@ def fetch_bundled(model: ModelConfig, models_dir: Path, staging_max_age_s: float
         if not (converted / SOURCE_FILE).is_file():
             _fetch_and_convert(model, models_dir, converted)
     return converted
+
+
+def import_phi3(folder: Path, models_dir: Path, staging_max_age_s: float | None = None) -> Path:
+    """Convert the checked Phi-3 checkpoint ``folder`` once into Mistral's layout under
+    ``models_dir`` (``phi3-<its digest>``, :mod:`pipeline.phi3`); return the converted folder.
+    A staging folder owned by a lock, renamed into place when whole, as :func:`fetch_bundled`."""
+    digest = Artifact.from_dir(Kind.TORCH, folder).digest
+    converted = models_dir / f"{PHI3_IMPORT.model_type}-{digest[:16]}"
+    for path in remove_abandoned(models_dir, conversion_staging_prefix(converted), staging_max_age_s):
+        log.info("removed %s, abandoned by an interrupted run", path)
+    if (converted / SOURCE_FILE).is_file():
+        return converted
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with key_lock(models_dir / f".{converted.name}.lock", f"the conversion of {folder}"):
+        if not (converted / SOURCE_FILE).is_file():
+            with owned_folder(models_dir / unique_name(conversion_staging_prefix(converted))) as staging:
+                convert_phi3(folder, staging)
+                record = {"converted_from": PHI3_IMPORT.model_type, "digest": digest}
+                write_json(staging / SOURCE_FILE, record)
+                if converted.exists():  # a folder without source.json: not a finished conversion
+                    shutil.rmtree(converted)
+                os.rename(staging, converted)
+    return converted
+
+
+def convert_phi3(folder: Path, out_dir: Path) -> None:
+    """Write the checked Phi-3 checkpoint ``folder`` into ``out_dir`` in Mistral's layout: its
+    config (:func:`pipeline.phi3.as_mistral`), each safetensors shard with qkv_proj and
+    gate_up_proj split (one shard in memory at a time), the index renamed to match, and the
+    tokenizer and generation files as they are."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pipeline.phi3 import as_mistral, split_tensor
+
+    log.info("converting the Phi-3 checkpoint %s to Mistral's layout (qkv_proj, gate_up_proj split)", folder)
+    files = checkpoint_files(folder)
+    config = read_json_object(folder / "config.json")
+    shards, weight_map = weight_files(folder, files)
+    renamed: dict[str, str] = {}
+    for shard in tqdm(shards, desc="split phi3 shards", unit="shard", disable=len(shards) < 2):
+        tensors = {}
+        with safe_open(str(folder / shard), framework="pt") as reader:
+            names = reader.keys()
+            for name in names:
+                for part, tensor in split_tensor(name, reader.get_tensor(name), config):
+                    tensors[part] = tensor
+                    renamed[part] = shard
+        save_file(tensors, str(out_dir / shard), metadata={"format": "pt"})
+        del tensors
+    write_json(out_dir / "config.json", as_mistral(config))
+    if weight_map is not None:
+        write_json(out_dir / INDEX_FILE, {"metadata": {}, "weight_map": renamed})
+    for name in (*TOKENIZER_FILES, *OTHER_JSON_FILES, "tokenizer_config.json"):
+        if name in files:  # regular files inside the folder (checkpoint_files)
+            shutil.copyfile(folder / name, out_dir / name)
+    write_metadata(out_dir, Kind.TORCH, {"converted_from": PHI3_IMPORT.model_type})
 
 
 def confined_child(root: Path, name: str, knob: str) -> Path:
@@ -826,7 +892,7 @@ def gguf_architecture(gguf_path: Path) -> str:
         ) from None
     except Exception as exc:  # the reader raises many types for a bad file
         raise SourceError(
-            f"{gguf_path} could not be read as a GGUF of {supported()} ({first_line(exc)}): "
+            f"{gguf_path} could not be read as a GGUF of {supported(imported=False)} ({first_line(exc)}): "
             "delete it and rerun"
         ) from None
 
@@ -844,7 +910,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     if architecture not in GGUF_ARCHITECTURES:
         raise SourceError(
             f"{gguf_path} holds llama.cpp architecture {architecture!r}: the GGUFs converted are "
-            f"{', '.join(GGUF_ARCHITECTURES)} ({supported()})"
+            f"{', '.join(GGUF_ARCHITECTURES)} ({supported(imported=False)})"
         )
     try:
         loaded = AutoModelForCausalLM.from_pretrained(
@@ -856,7 +922,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise SourceError(f"converting {gguf_path.name} needs {missing}: run `pip install -e .`") from None
     except Exception as exc:  # the GGUF reader raises many types for a bad file
         raise SourceError(
-            f"{gguf_path} could not be read as a GGUF of {supported()} ({first_line(exc)}): "
+            f"{gguf_path} could not be read as a GGUF of {supported(imported=False)} ({first_line(exc)}): "
             "delete it and rerun"
         ) from None
     config = loaded.config.to_dict()

@@ -234,6 +234,22 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
 )
 
 
+@dataclass(frozen=True)
+class Imported:
+    """A family converted at import into the layout of one of :data:`FAMILIES` (its weights
+    re-sliced, nothing recomputed), so that the passes never see it: ``pipeline/phi3.py``."""
+
+    model_type: str
+    architectures: tuple[str, ...]
+    title: str
+    into: str  # the model_type of the converted checkpoint
+
+
+# Phi-3, Phi-3.5-mini (Phi3ForCausalLM): a Mistral block with q/k/v and gate/up packed.
+PHI3_IMPORT = Imported("phi3", ("Phi3ForCausalLM",), "Phi-3", MISTRAL.model_type)
+IMPORTED: Mapping[str, Imported] = MappingProxyType({PHI3_IMPORT.model_type: PHI3_IMPORT})
+
+
 def divide_gain(weight: Any, scales: Any, offset: float) -> None:
     """Divide an RMSNorm's gain by ``scales`` in place (a torch tensor): Llama's gain is the
     weight, Gemma's ``offset + weight`` (:attr:`Family.norm_offset`), so its weight becomes
@@ -244,11 +260,17 @@ def divide_gain(weight: Any, scales: Any, offset: float) -> None:
         weight.div_(scales)
 
 
-def supported() -> str:
-    """The families we build, for messages: ``Llama (LlamaForCausalLM)``."""
-    return ", ".join(
+def supported(imported: bool = True) -> str:
+    """The families we build, for messages: ``Llama (LlamaForCausalLM)``; with ``imported``, also
+    those converted at import, each saying into what."""
+    built = [
         f"{f.title or f.model_type.capitalize()} ({', '.join(f.architectures)})" for f in FAMILIES.values()
-    )
+    ]
+    imported = [
+        f"{f.title} ({', '.join(f.architectures)}, converted to {FAMILIES[f.into].architectures[0]})"
+        for f in (IMPORTED.values() if imported else ())
+    ]
+    return ", ".join(built + imported)
 
 
 def family_of(config: Any, where: str = "config.json") -> Family:
@@ -258,6 +280,13 @@ def family_of(config: Any, where: str = "config.json") -> Family:
         config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
     )
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None and isinstance(model_type, str) and model_type in IMPORTED:
+        imported = IMPORTED[model_type]
+        raise SourceError(
+            f"{where} declares model_type {model_type!r}: a {imported.title} checkpoint is built from its "
+            f"conversion to {FAMILIES[imported.into].architectures[0]}'s layout; give its folder as "
+            "model.path (the source converts it once)"
+        )
     if family is None:
         raise SourceError(
             f"{where} declares model_type {model_type!r}: the supported families are {supported()}"
