@@ -70,7 +70,7 @@ from pipeline.core.families import family_of, head_dim
 from pipeline.core.files import copy_regular, link_root, read_json
 from pipeline.core.planned_model import PlannedModel
 from pipeline.core.progress import phases
-from pipeline.core.torch_model import load_tokenizer, rebuild_computed_buffers
+from pipeline.core.torch_model import load_tokenizer, rebuild_computed_buffers, switch_longrope
 from pipeline.runtime.ort import OrtModel
 
 log = logging.getLogger(__name__)
@@ -397,6 +397,7 @@ def placeholder_model(folder: Path, checkpoint: Checkpoint, attention: str) -> A
             module._parameters[pname] = replaced[id(parameter)]
     try:
         rebuild_computed_buffers(model, config)  # rotary frequencies, Gemma's embedding scale
+        switch_longrope(model, family_of(config).rotary)  # both factor tables, chosen in the graph
     except SourceError as exc:
         raise PassError(f"export: {exc}") from None
     model.checkpoint_names = checkpoint_names

@@ -50,6 +50,12 @@ DROPPED_KEYS = (
 )
 
 
+# What Phi3Config reads as longrope (older checkpoints name it "su"; Phi3Config maps "yarn" to it
+# as well), and its default ``original_max_position_embeddings``.
+LONGROPE_NAMES = ("longrope", "su", "yarn")
+PHI3_ORIGINAL_MAX = 4096
+
+
 def _head_dim(config: Mapping[str, Any]) -> int:
     return int(config["hidden_size"]) // int(config["num_attention_heads"])
 
@@ -65,7 +71,14 @@ def as_mistral(config: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("rope_parameters", "rope_scaling"):
         table = converted.get(key)
         if isinstance(table, dict):  # 1.0 (checked at start-up): Mistral rotates the whole head
-            converted[key] = {k: v for k, v in table.items() if k != "partial_rotary_factor"}
+            table = {k: v for k, v in table.items() if k != "partial_rotary_factor"}
+            if table.get("rope_type", table.get("type")) in LONGROPE_NAMES:
+                # where longrope switches to its long factors: Phi-3 keeps it beside the table
+                original = config.get("original_max_position_embeddings") or PHI3_ORIGINAL_MAX
+                table.setdefault("original_max_position_embeddings", original)
+                table["rope_type"] = "longrope"
+                table.pop("type", None)
+            converted[key] = table
     return converted
 
 

@@ -95,6 +95,8 @@ class ModelFacts:
     windows: tuple[int, ...] = ()
     # Per-head q/k norms between the projections and the attention (Qwen3).
     qk_norms: bool = False
+    # longrope: the rotary's frequencies switch with the sequence length (Phi-3.5-mini).
+    switched_rope: bool = False
 
     @classmethod
     def from_config(cls, config: dict[str, Any], window: int = 0, window_cache: bool = False) -> ModelFacts:
@@ -110,7 +112,13 @@ class ModelFacts:
             window_cache=window_cache,
             windows=layer_windows(config, window),
             qk_norms=family_of(config).qk_norms is not None,
+            switched_rope=_rope_type(config) == "longrope",
         )
+
+
+def _rope_type(config: dict[str, Any]) -> str | None:
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    return rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
 
 
 def _rms_norm(model: Any, facts: ModelFacts) -> int:
@@ -214,22 +222,38 @@ RULE_FAMILIES: dict[str, Callable[[Any, ModelFacts], int | None]] = {
     "onnx_rotary_embedding": _onnx_rotary,
     "onnx_attention": _onnx_attention,
 }
+
+
 # Why a rule family cannot run on a model, where a kernel lacks a feature the model has: the
 # family is skipped with a warning in the record, and its sites stay as exported (still exact).
+def _switched_rope(facts: ModelFacts) -> str | None:
+    # Exact unfused (the export switches tables in the graph, pipeline/core/torch_model.py); a
+    # kernel reading one cos/sin table per step would need the table chosen by the length.
+    if facts.switched_rope:
+        return (
+            "longrope switches its frequencies with the sequence length; the kernels take one cos/sin table"
+        )
+    return None
+
+
 RULE_LIMITS: dict[str, Callable[[ModelFacts], str | None]] = {
+    "rotary_embedding": _switched_rope,
+    "onnx_rotary_embedding": _switched_rope,
     "group_query_attention": lambda facts: (
         f"ONNX Runtime's GroupQueryAttention takes heads of a multiple of 16 values, this model's "
         f"have {facts.head_dim}"
         if facts.head_dim % 16
-        else None
+        else _switched_rope(facts)
     ),
     "packed_qkv": lambda facts: (
         "the per-head q/k norms sit between the projections and the attention kernel"
         if facts.qk_norms
-        else None
+        else _switched_rope(facts)
     ),
     "onnx_attention": lambda facts: (
-        "ONNX Attention has no sliding window, which this model's layers have" if any(facts.windows) else None
+        "ONNX Attention has no sliding window, which this model's layers have"
+        if any(facts.windows)
+        else _switched_rope(facts)
     ),
 }
 # The default-domain opset a family's ops need; the pass converts the graph up to it first.

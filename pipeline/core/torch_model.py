@@ -164,3 +164,47 @@ def rebuild_computed_buffers(model: Any, config: Any, device: Any = "cpu") -> No
                 f"cannot compute the buffer {name}.{meta[0]} of {type(module).__name__}: it is not "
                 "in the checkpoint and not a rotary or embedding scale this build knows"
             )
+
+
+def switched_longrope(config: Any) -> Any:
+    """A traceable stand-in for transformers' longrope rotary (Phi-3.5-mini, Phi-3-128k), a torch
+    module. transformers picks the short or the long factors in Python, per forward, from
+    ``max(position_ids) + 1 > original_max_position_embeddings`` (``dynamic_rope_update``,
+    ``longrope_frequency_update``), which a trace would freeze at the traced length. This module
+    holds both frequency tables (transformers' own ``_compute_longrope_parameters``) and chooses
+    with a ``Where`` on the same condition, so the graph switches as transformers does, step by
+    step; cos and sin carry the same attention factor."""
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = config.rope_parameters
+    original = int(rope.get("original_max_position_embeddings") or config.max_position_embeddings)
+    short, scaling = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=original + 1)
+
+    class SwitchedLongRope(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("short_inv_freq", short.float(), persistent=False)
+            self.register_buffer("long_inv_freq", long.float(), persistent=False)
+
+        def forward(self, x: Any, position_ids: Any) -> tuple[Any, Any]:
+            use_long = position_ids.max() + 1 > original
+            inv_freq = torch.where(use_long, self.long_inv_freq, self.short_inv_freq)
+            freqs = position_ids[..., None].float() * inv_freq
+            angles = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = angles.cos() * float(scaling), angles.sin() * float(scaling)
+            return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+    return SwitchedLongRope()
+
+
+def switch_longrope(model: Any, rotary_name: str) -> bool:
+    """Replace the model's longrope rotary (module ``rotary_name``) with :func:`switched_longrope`
+    before a trace; False (nothing changed) for any other RoPE."""
+    rope = getattr(model.config, "rope_parameters", None)
+    if not (isinstance(rope, dict) and rope.get("rope_type") == "longrope"):
+        return False
+    parent, _, child = rotary_name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, switched_longrope(model.config))
+    return True

@@ -5,7 +5,9 @@ once into Mistral's layout, which transformers' Mistral computes exactly as its 
 export and the fused engine (q/k/v and gate/up packed again, each GroupQueryAttention given the
 window) match transformers' Phi-3 forward over 2048 positions, and the fused decode its prefill
 past the window; every quantized recipe builds end to end; what Mistral's block cannot compute
-(a partial rotary, longrope) is refused in one line naming the field."""
+(a partial rotary) is refused in one line naming the field. longrope (Phi-3.5-mini, Phi-3-128k)
+switches its factors with the length in the exported graph as transformers does: exact on both
+sides of the switch and in a decode across it, unfused with the reason in the record."""
 
 from __future__ import annotations
 
@@ -113,19 +115,8 @@ def test_a_hub_configs_auto_map_is_never_run_and_is_dropped(phi3: Path, tmp_path
             "partial_rotary_factor=0.75: this build rotates whole heads only (a partial rotary is not "
             "implemented); use a checkpoint whose factor is 1.0",
         ),
-        (
-            {
-                "rope_parameters": {
-                    "rope_type": "longrope",
-                    "rope_theta": 10000.0,
-                    "short_factor": [1.0] * 8,
-                    "long_factor": [2.0] * 8,
-                }
-            },
-            "rope_parameters.rope_type='longrope': this build does not export longrope RoPE yet",
-        ),
     ],
-    ids=["partial-rotary", "longrope"],
+    ids=["partial-rotary"],
 )
 def test_what_mistrals_block_cannot_compute_is_refused_in_one_line(
     phi3: Path, tmp_path: Path, change: dict, says: str
@@ -190,3 +181,85 @@ def test_an_int4_engine_packs_gate_and_up_again_where_the_rule_is_listed(
     engine, by_name = build(["quant=int4_awq", "fusion=ort", f"fusion.rules={rules}"], checkpoint, tmp_path)
     assert_built(engine, by_name, packed_qkv=2)
     assert by_name["fusion"]["rewrites"]["packed_gate_up"] == 2
+
+
+LONGROPE_SWITCH = 256  # original_max_position_embeddings of the longrope checkpoint
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Artifact]:
+    """A tiny Phi-3 with longrope factors of its own (random, short != long), switching at 256
+    positions; and its source, converted."""
+    rng = np.random.default_rng(0)
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": (1 + rng.random(8)).tolist(),
+        "long_factor": (2 + 4 * rng.random(8)).tolist(),
+    }
+    folder = tmp_path_factory.mktemp("phi3-longrope")
+    phi3 = make_tiny(
+        "phi3", folder / "phi3", rope_parameters=rope, original_max_position_embeddings=LONGROPE_SWITCH
+    )
+    return phi3, resolve_source(ModelConfig(name="lr", path=str(phi3)), folder / "models")
+
+
+def transformers_decode(folder: Path, ids: np.ndarray, prefill: int) -> np.ndarray:
+    """transformers' logits of the positions after ``prefill``, one token at a time through its
+    cache: each step picks its factors from its own position, as the engine must."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    logits = []
+    with torch.no_grad():
+        cache = model.eval()(torch.from_numpy(ids[:, :prefill]), use_cache=True).past_key_values
+        for position in range(prefill, ids.shape[1]):
+            out = model(
+                torch.from_numpy(ids[:, position : position + 1]),
+                past_key_values=cache,
+                position_ids=torch.tensor([[position]]),
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            logits.append(out.logits[0, -1].numpy())
+    return np.stack(logits)
+
+
+def test_longrope_switches_its_factors_in_the_graph_as_transformers_does(
+    longrope: tuple[Path, Artifact], tmp_path: Path
+) -> None:
+    from passes.export import ExportPass
+    from passes.fusion.fuse import FusionPass
+    from tests.conftest import run_pass
+
+    phi3, source = longrope
+    assert (
+        json.loads((source.path / "config.json").read_text())["rope_parameters"][
+            "original_max_position_embeddings"
+        ]
+        == LONGROPE_SWITCH
+    )
+    graph = run_pass(ExportPass(), source, tmp_path / "graph")[0]
+    fused, metrics = run_pass(FusionPass(), graph, tmp_path / "fused")
+    reason = "longrope switches its frequencies with the sequence length; the kernels take one cos/sin table"
+    assert metrics["warnings"] == [
+        f"fusion rule '{rule}' skipped: {reason}; its sites stay unfused"
+        for rule in ("rotary_embedding", "group_query_attention", "packed_qkv")
+    ]
+    short, long = random_ids(200), random_ids(512)  # below the switch (short factors), past it
+    for ids in (short, long):
+        reference = transformers_logits(phi3, ids)
+        for folder in (graph.path, fused.path):
+            assert relative_error(onnx_prefill(folder, ids), reference) <= TOLERANCE
+    decoded = transformers_decode(phi3, long[:, :300], 240)  # 240 .. 299: across 256
+    assert relative_error(onnx_decode(fused.path, long[:, :300], 240), decoded) <= TOLERANCE
+
+
+def test_a_longrope_phi3_builds_quantized_engines(longrope: tuple[Path, Artifact], tmp_path: Path) -> None:
+    for recipe in (QUANT_RECIPES["int4_awq"], QUANT_RECIPES["int8"]):
+        engine, by_name = build(recipe, longrope[1].path, tmp_path / recipe[0])
+        assert engine.kind.value == "engine"
+        for metrics in by_name.values():
+            if "parity" in metrics:
+                assert metrics["parity"]["top1_agreement"] >= 0.8, metrics
