@@ -109,10 +109,14 @@ class GroupQueryAttention(pattern.RewriteRuleClassBase):
         mask: Any,
         past_key: Any,
         past_value: Any,
+        position_ids: Any = None,
         **_: Any,
     ) -> Any:
         result = pattern.MatchResult()
         graph = context.graph_or_function
+        # The kernel's own rotary counts positions from the cache length; positions computed in
+        # the graph (longrope's shift into its long rows, rotary.py) rotate before it instead.
+        self._rotary_inside = position_ids is None or position_ids in graph.inputs
         if past_key not in graph.inputs or past_value not in graph.inputs:
             return result.fail(
                 "the concatenated K/V are not the graph's past cache inputs", [past_key, past_value]
@@ -143,9 +147,26 @@ class GroupQueryAttention(pattern.RewriteRuleClassBase):
         past_value: Any,
         cos_cache: Any,
         sin_cache: Any,
+        position_ids: Any = None,
         **_: Any,
     ) -> Any:
         mask = self._attention_mask
+        rotary: dict[str, Any] = {"do_rotary": 1, "rotary_interleaved": 0}
+        tables = [cos_cache, sin_cache]
+        if not self._rotary_inside:  # q and k rotated apart, on [batch, seq, heads * head_dim]
+            query, key = (
+                op.RotaryEmbedding(
+                    x,
+                    position_ids,
+                    cos_cache,
+                    sin_cache,
+                    interleaved=0,
+                    num_heads=heads,
+                    _domain="com.microsoft",
+                )
+                for x, heads in ((query, self._num_heads), (key, self._kv_heads))
+            )
+            rotary, tables = {"do_rotary": 0}, []
         valid = op.ReduceSum(mask, op.Constant(value_ints=[1]), keepdims=0)
         seqlens_k = op.Cast(op.Sub(valid, op.Constant(value_int=1)), to=ir.DataType.INT32)
         total = op.Gather(op.Shape(mask), op.Constant(value_int=1), axis=0)
@@ -158,13 +179,11 @@ class GroupQueryAttention(pattern.RewriteRuleClassBase):
             past_value,
             seqlens_k,
             total_length,
-            cos_cache,
-            sin_cache,
+            *tables,
             num_heads=self._num_heads,
             kv_num_heads=self._kv_heads,
             scale=self._scale,
-            do_rotary=1,
-            rotary_interleaved=0,
+            **rotary,
             local_window_size=self._window,
             sliding_window_cache=int(self._window_cache),
             _domain="com.microsoft",
@@ -233,6 +252,9 @@ def _appends(concat: ir.Node, past: ir.Value, fresh: ir.Value) -> bool:
     value = concat.inputs[1]
     if value is fresh:
         return True
+    rotated = fresh.producer() if fresh is not None else None
+    if rotated is not None and rotated.op_type == "RotaryEmbedding":  # rotated before the kernel
+        fresh = rotated.inputs[0]
     for expected in ("RotaryEmbedding", "Transpose", "Reshape"):
         producer = value.producer() if value is not None else None
         if producer is None:

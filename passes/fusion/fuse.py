@@ -95,8 +95,9 @@ class ModelFacts:
     windows: tuple[int, ...] = ()
     # Per-head q/k norms between the projections and the attention (Qwen3).
     qk_norms: bool = False
-    # longrope: the rotary's frequencies switch with the sequence length (Phi-3.5-mini).
-    switched_rope: bool = False
+    # longrope: the rotary's frequencies switch with the sequence length past this many
+    # positions (``original_max_position_embeddings``; Phi-3.5-mini); 0: one table.
+    rope_switch: int = 0
 
     @classmethod
     def from_config(cls, config: dict[str, Any], window: int = 0, window_cache: bool = False) -> ModelFacts:
@@ -112,13 +113,16 @@ class ModelFacts:
             window_cache=window_cache,
             windows=layer_windows(config, window),
             qk_norms=family_of(config).qk_norms is not None,
-            switched_rope=_rope_type(config) == "longrope",
+            rope_switch=_rope_switch(config),
         )
 
 
-def _rope_type(config: dict[str, Any]) -> str | None:
+def _rope_switch(config: dict[str, Any]) -> int:
+    """Where longrope switches to its long factors (as transformers reads it), else 0."""
     rope = config.get("rope_parameters") or config.get("rope_scaling")
-    return rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if not (isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "longrope"):
+        return 0
+    return int(rope.get("original_max_position_embeddings") or config.get("max_position_embeddings", 2048))
 
 
 def _rms_norm(model: Any, facts: ModelFacts) -> int:
@@ -136,7 +140,8 @@ def _skip_rms_norm(model: Any, facts: ModelFacts) -> int:
 def _rotary(model: Any, facts: ModelFacts) -> int:
     from passes.fusion.rotary import RotaryTables, rotary_rules
 
-    return rotary_rules(RotaryTables(model.graph, facts.max_positions)).apply_to_model(model)
+    tables = RotaryTables(model.graph, facts.max_positions, facts.rope_switch)
+    return rotary_rules(tables).apply_to_model(model)
 
 
 def _attention(model: Any, facts: ModelFacts) -> int:
@@ -227,28 +232,31 @@ RULE_FAMILIES: dict[str, Callable[[Any, ModelFacts], int | None]] = {
 # Why a rule family cannot run on a model, where a kernel lacks a feature the model has: the
 # family is skipped with a warning in the record, and its sites stay as exported (still exact).
 def _switched_rope(facts: ModelFacts) -> str | None:
-    # Exact unfused (the export switches tables in the graph, pipeline/core/torch_model.py); a
-    # kernel reading one cos/sin table per step would need the table chosen by the length.
-    if facts.switched_rope:
-        return (
-            "longrope switches its frequencies with the sequence length; the kernels take one cos/sin table"
-        )
+    # Exact unfused (the export switches tables in the graph, pipeline/core/torch_model.py); the
+    # contrib rotary reads switched caches (rotary.py), the standard one is not taught them yet.
+    if facts.rope_switch:
+        return "longrope switches its frequencies with the sequence length; this rule takes one cos/sin table"
+    return None
+
+
+def _rotary_outside(facts: ModelFacts) -> str | None:
+    if facts.rope_switch:
+        return "longrope's rotary runs before the attention kernel, on q and k apart"
     return None
 
 
 RULE_LIMITS: dict[str, Callable[[ModelFacts], str | None]] = {
-    "rotary_embedding": _switched_rope,
     "onnx_rotary_embedding": _switched_rope,
     "group_query_attention": lambda facts: (
         f"ONNX Runtime's GroupQueryAttention takes heads of a multiple of 16 values, this model's "
         f"have {facts.head_dim}"
         if facts.head_dim % 16
-        else _switched_rope(facts)
+        else None
     ),
     "packed_qkv": lambda facts: (
         "the per-head q/k norms sit between the projections and the attention kernel"
         if facts.qk_norms
-        else _switched_rope(facts)
+        else _rotary_outside(facts)
     ),
     "onnx_attention": lambda facts: (
         "ONNX Attention has no sliding window, which this model's layers have"
@@ -297,7 +305,7 @@ register_pass("fusion", "fusion", FusionConfig)  # fusion_schema: every target's
 class FusionPass(Pass):
     Config = FusionConfig
     name = "fusion"
-    version = 4  # 4: onnx-ir with lazy weights (pipeline.core.graph_io); unchanged data files linked
+    version = 5  # 5: longrope fused (switched rotary tables); 4: onnx-ir with lazy weights, linked data files
     memory_profile = "graph"  # weights memory-mapped; only rewritten (packed) ones in memory
     consumes = Kind.GRAPH
     produces = Kind.GRAPH
