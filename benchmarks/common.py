@@ -250,17 +250,22 @@ class Contestant:
 
 
 def build_recipe(
-    recipe: str, out: Path, timeout_s: int, label: str | None = None, overrides: tuple[str, ...] = ()
+    recipe: str,
+    out: Path,
+    timeout_s: int,
+    label: str | None = None,
+    overrides: tuple[str, ...] = (),
+    model: str = "llama",
 ) -> Contestant:
-    """Run the pipeline CLI for ``quant=<recipe> <overrides>`` (a row named ``label``, default the
-    recipe); never raises for a missing or failing recipe."""
+    """Run the pipeline CLI for ``model=<model> quant=<recipe> <overrides>`` (a row named
+    ``label``, default the recipe); never raises for a missing or failing recipe."""
     label = label or recipe
     row = Contestant(label, "recipe")
     run_dir = out / label
     manifest_path = run_dir / "manifest.json"
     manifest_path.unlink(missing_ok=True)  # a stale record must never stand in for a failed rebuild
     command = pipeline_command(
-        "pipeline", "model=llama", f"quant={recipe}", *overrides, "bench=none", f"hydra.run.dir={run_dir}"
+        "pipeline", f"model={model}", f"quant={recipe}", *overrides, "bench=none", f"hydra.run.dir={run_dir}"
     )
     log_path = out / f"{label}.log"
     say(f"build  {label}: quant={recipe} {' '.join(overrides)} ...")
