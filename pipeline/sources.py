@@ -39,6 +39,7 @@ import struct
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -637,45 +638,68 @@ def fetch_bundled(model: ModelConfig, models_dir: Path, staging_max_age_s: float
     assert model.package and model.gguf_file and model.sha256
     model.validate()  # model.name and model.sha256 become a folder name: checked before anything is touched
     converted = confined_child(models_dir, f"{model.name}-{model.sha256[:12]}", "model.name")
-    staging = [
-        (models_dir, conversion_staging_prefix(converted)),
-        (models_dir / "downloads", DOWNLOAD_STAGING),
-    ]
-    for parent, prefix in staging:
+    return _convert_once(
+        models_dir,
+        converted,
+        f"the conversion of {model.gguf_file}",
+        lambda: _fetch_and_convert(model, models_dir, converted),
+        staging_max_age_s,
+        also_staging=((models_dir / "downloads", DOWNLOAD_STAGING),),
+    )
+
+
+def import_phi3(folder: Path, models_dir: Path, staging_max_age_s: float | None = None) -> Path:
+    """Convert the checked Phi-3 checkpoint ``folder`` once into Mistral's layout under
+    ``models_dir`` (``phi3-<its digest>``, :mod:`pipeline.phi3`); return the converted folder."""
+    digest = Artifact.from_dir(Kind.TORCH, folder).digest
+    converted = models_dir / f"{PHI3_IMPORT.model_type}-{digest[:16]}"
+
+    def convert(staging: Path) -> dict[str, Any]:
+        convert_phi3(folder, staging)
+        return {"converted_from": PHI3_IMPORT.model_type, "digest": digest}
+
+    return _convert_once(
+        models_dir,
+        converted,
+        f"the conversion of {folder}",
+        lambda: _write_conversion(models_dir, converted, convert),
+        staging_max_age_s,
+    )
+
+
+def _convert_once(
+    models_dir: Path,
+    converted: Path,
+    what: str,
+    convert: Callable[[], None],
+    staging_max_age_s: float | None,
+    also_staging: tuple[tuple[Path, str], ...] = (),
+) -> Path:
+    """``converted`` once ``convert`` has made it, unless a finished conversion (its
+    ``source.json``) is there: abandoned staging folders removed first, the conversion under a
+    lock that parallel jobs of a multirun sharing ``models_dir`` wait on."""
+    for parent, prefix in ((models_dir, conversion_staging_prefix(converted)), *also_staging):
         for path in remove_abandoned(parent, prefix, staging_max_age_s):
             log.info("removed %s, abandoned by an interrupted run", path)
     if (converted / SOURCE_FILE).is_file():
         return converted
     models_dir.mkdir(parents=True, exist_ok=True)
-    # Parallel jobs of a multirun share models_dir: one downloads and converts, the others wait.
     # key_lock: O_NOFOLLOW, so a symlink planted at the lock path is refused, never created through.
-    with key_lock(models_dir / f".{converted.name}.lock", f"the conversion of {model.gguf_file}"):
+    with key_lock(models_dir / f".{converted.name}.lock", what):
         if not (converted / SOURCE_FILE).is_file():
-            _fetch_and_convert(model, models_dir, converted)
+            convert()
     return converted
 
 
-def import_phi3(folder: Path, models_dir: Path, staging_max_age_s: float | None = None) -> Path:
-    """Convert the checked Phi-3 checkpoint ``folder`` once into Mistral's layout under
-    ``models_dir`` (``phi3-<its digest>``, :mod:`pipeline.phi3`); return the converted folder.
-    A staging folder owned by a lock, renamed into place when whole, as :func:`fetch_bundled`."""
-    digest = Artifact.from_dir(Kind.TORCH, folder).digest
-    converted = models_dir / f"{PHI3_IMPORT.model_type}-{digest[:16]}"
-    for path in remove_abandoned(models_dir, conversion_staging_prefix(converted), staging_max_age_s):
-        log.info("removed %s, abandoned by an interrupted run", path)
-    if (converted / SOURCE_FILE).is_file():
-        return converted
-    models_dir.mkdir(parents=True, exist_ok=True)
-    with key_lock(models_dir / f".{converted.name}.lock", f"the conversion of {folder}"):
-        if not (converted / SOURCE_FILE).is_file():
-            with owned_folder(models_dir / unique_name(conversion_staging_prefix(converted))) as staging:
-                convert_phi3(folder, staging)
-                record = {"converted_from": PHI3_IMPORT.model_type, "digest": digest}
-                write_json(staging / SOURCE_FILE, record)
-                if converted.exists():  # a folder without source.json: not a finished conversion
-                    shutil.rmtree(converted)
-                os.rename(staging, converted)
-    return converted
+def _write_conversion(models_dir: Path, converted: Path, write: Callable[[Path], dict[str, Any]]) -> None:
+    """Run ``write`` into a staging folder, record what it returns as ``source.json`` and rename
+    the folder into ``converted``. The staging folder is removed on any exit (Ctrl-C, SIGTERM, an
+    error) unless renamed into place; after a SIGKILL, by the next run (its lock is then free)."""
+    with owned_folder(models_dir / unique_name(conversion_staging_prefix(converted))) as staging:
+        write_json(staging / SOURCE_FILE, write(staging))
+        if converted.exists():  # a folder without source.json: not a finished conversion
+            shutil.rmtree(converted)
+        os.rename(staging, converted)
 
 
 def convert_phi3(folder: Path, out_dir: Path) -> None:
@@ -736,17 +760,12 @@ def _fetch_and_convert(model: ModelConfig, models_dir: Path, converted: Path) ->
             f"{gguf_path} has sha256 {actual}, expected {model.sha256}: delete it and rerun to "
             "download it again, or fix model.sha256"
         )
-    # Removed on any exit (Ctrl-C, SIGTERM, an error) unless renamed into place; after a SIGKILL,
-    # by the next run (its lock is then free).
-    with owned_folder(models_dir / unique_name(conversion_staging_prefix(converted))) as staging:
+
+    def convert(staging: Path) -> dict[str, Any]:
         convert_gguf(gguf_path, staging)
-        write_json(
-            staging / SOURCE_FILE,
-            {"package": model.package, "gguf_file": model.gguf_file, "gguf_sha256": actual},
-        )
-        if converted.exists():  # a folder without source.json: not a finished conversion
-            shutil.rmtree(converted)
-        os.rename(staging, converted)
+        return {"package": model.package, "gguf_file": model.gguf_file, "gguf_sha256": actual}
+
+    _write_conversion(models_dir, converted, convert)
 
 
 def _fetch_gguf(model: ModelConfig, models_dir: Path) -> Path:

@@ -95,6 +95,33 @@ def test_a_sharded_phi3_checkpoint_converts_shard_by_shard(tmp_path: Path) -> No
     assert relative_error(transformers_logits(converted.path, ids), transformers_logits(phi3, ids)) <= 1e-6
 
 
+def test_an_interrupted_conversion_leaves_nothing_and_the_next_run_converts(
+    phi3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (or SIGTERM, which the entry point turns into KeyboardInterrupt) mid-conversion."""
+    import pipeline.sources
+
+    models, seen = tmp_path / "models", []
+    convert = pipeline.sources.convert_phi3
+
+    def half_written_then_interrupted(folder: Path, out_dir: Path) -> None:
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        seen.append(out_dir)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline.sources, "convert_phi3", half_written_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_source(ModelConfig(name="phi3", path=str(phi3)), models)
+    assert (
+        seen
+        and not seen[0].exists()
+        and not [p.name for p in models.iterdir() if not p.name.endswith(".lock")]
+    )
+    monkeypatch.setattr(pipeline.sources, "convert_phi3", convert)
+    source = resolve_source(ModelConfig(name="phi3", path=str(phi3)), models)
+    assert source.metadata["origin"]["converted_from"] == "phi3" and (source.path / "source.json").is_file()
+
+
 def test_a_hub_configs_auto_map_is_never_run_and_is_dropped(phi3: Path, tmp_path: Path) -> None:
     """Phi-3's hub configs keep an ``auto_map`` from before transformers had its classes."""
     folder = tmp_path / "hub"
