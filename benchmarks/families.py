@@ -199,7 +199,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not live:
         raise UsageError("no engine built; see the logs under " + str(REPO / args.out))
     args.contexts = [args.context]
-    timing = measure(live, args)
+    by_family = {}  # each family's rows timed together: prompts come from that family's vocabulary
+    for name in names:
+        rows_of = [row for row in live if row.name.startswith(f"{name} ")]
+        if rows_of:
+            by_family[name] = measure(rows_of, args)
+    loads = [t["load_average"] for t in by_family.values()]
+    timing = {
+        "load_average": {"before": loads[0]["before"], "after": loads[-1]["after"]},
+        "seconds": round(sum(t["seconds"] for t in by_family.values()), 1),
+        "by_family": by_family,
+    }
     table = []
     for row in rows:
         entry: dict[str, Any] = {"row": row.name, "status": row.status, "note": row.note}
