@@ -16,11 +16,12 @@ computes, so every pass sees the block it knows and records nothing new; the fus
 q/k/v and gate/up again (``passes/fusion/packed_qkv.py``, ``packed_gate_up.py``). ONNX Runtime
 GenAI's model builder does the same: ``make_attention_unpacked`` and ``make_mlp_unpacked``
 (its base builder) slice ``qkv_proj`` and ``gate_up_proj`` into the q/k/v and gate/up of the
-graph it builds for Mistral. What Mistral's block cannot compute is refused at
-start-up by ``pipeline/source_config.py``: a rotary of part of a head (``partial_rotary_factor``,
-Phi-4-mini) and longrope.
+graph it builds for Mistral. longrope (Phi-3.5-mini) keeps its tables, the switch length moved
+into them; the export follows the switch (``pipeline/core/torch_model.switched_longrope``). What
+Mistral's block cannot compute is refused at start-up by ``pipeline/source_config.py``: a rotary
+of part of a head (``partial_rotary_factor``, Phi-4-mini).
 
-This module holds the pure mapping (config, tensor names and shapes, tensor values);
+This module holds the pure mapping (the config, and the packed tensors' names and rows);
 ``pipeline/sources.py`` checks the folder, converts it once under ``models_dir`` and records
 ``converted_from``.
 """
@@ -30,13 +31,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.core.families import MISTRAL, PHI3_IMPORT
+from pipeline.core.families import MISTRAL
 
-MODEL_TYPE = PHI3_IMPORT.model_type
 QKV = "self_attn.qkv_proj.weight"
 GATE_UP = "mlp.gate_up_proj.weight"
 # Phi3Config keys Mistral's block has no use for, dropped from the converted config: dropout rates
-# (inference runs none), the longrope training context (longrope is refused until it is built),
+# (inference runs none), the longrope training context (moved into the RoPE table, as_mistral),
 # ``attention_bias`` (Phi3Attention builds qkv_proj without a bias whatever it says), the rotary
 # fraction (refused below 1) and the checkpoint-code map of hub configs written before transformers
 # had Phi-3's classes (never run: trust_remote_code is never set; transformers' own class is used).
