@@ -132,7 +132,7 @@ def write_checkpoint(name: str, folder: Path, layers: int | None) -> Path:
         settings["num_hidden_layers"] = layers
     config = AutoConfig.for_model(model_type, **settings)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, trust_remote_code=False)
     model.save_pretrained(folder)
     del model
     # The calibration text's tokens (calibration/data) must fall inside every vocabulary.
