@@ -122,15 +122,20 @@ def test_an_interrupted_conversion_leaves_nothing_and_the_next_run_converts(
     assert source.metadata["origin"]["converted_from"] == "phi3" and (source.path / "source.json").is_file()
 
 
+def copy_with_config(checkpoint: Path, folder: Path, **changes: object) -> Path:
+    """A copy of ``checkpoint`` in ``folder`` whose config.json has ``changes``."""
+    folder.mkdir()
+    for item in checkpoint.iterdir():
+        (folder / item.name).write_bytes(item.read_bytes())
+    config = {**json.loads((checkpoint / "config.json").read_text()), **changes}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 def test_a_hub_configs_auto_map_is_never_run_and_is_dropped(phi3: Path, tmp_path: Path) -> None:
     """Phi-3's hub configs keep an ``auto_map`` from before transformers had its classes."""
-    folder = tmp_path / "hub"
-    folder.mkdir()
-    for item in phi3.iterdir():
-        (folder / item.name).write_bytes(item.read_bytes())
-    config = json.loads((folder / "config.json").read_text())
-    config["auto_map"] = {"AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"}
-    (folder / "config.json").write_text(json.dumps(config))
+    auto_map = {"AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"}
+    folder = copy_with_config(phi3, tmp_path / "hub", auto_map=auto_map)
     converted = resolve_source(ModelConfig(name="hub", path=str(folder)), tmp_path / "models")
     assert "auto_map" not in json.loads((converted.path / "config.json").read_text())
 
@@ -149,12 +154,7 @@ def test_a_hub_configs_auto_map_is_never_run_and_is_dropped(phi3: Path, tmp_path
 def test_what_mistrals_block_cannot_compute_is_refused_in_one_line(
     phi3: Path, tmp_path: Path, change: dict, says: str
 ) -> None:
-    folder = tmp_path / "odd"
-    folder.mkdir()
-    for item in phi3.iterdir():
-        (folder / item.name).write_bytes(item.read_bytes())
-    config = {**json.loads((folder / "config.json").read_text()), **change}
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = copy_with_config(phi3, tmp_path / "odd", **change)
     with pytest.raises(SourceError) as error:
         resolve_source(ModelConfig(name="odd", path=str(folder)), tmp_path / "models")
     message = str(error.value)
