@@ -69,6 +69,7 @@ from pipeline.config import (
     check_recipe_file,
     register_pipeline_schemas,
     source_file,
+    swept_keys,
     trusted_source,
     validate_config,
 )
@@ -95,6 +96,8 @@ discover_passes()
 
 _job_started = False  # errors after this are the job's own, not Hydra's or the command line's
 _multirun = False
+_swept: set[str] = set()  # the groups and keys a multirun sweeps (for its error lines)
+_overrides: list[str] = []  # the command line's overrides, as typed
 
 
 def main(cfg: DictConfig) -> None:
@@ -299,6 +302,15 @@ def _composition_error(exc: ConfigCompositionException) -> str:
         close = difflib.get_close_matches(name, known, n=1)
         where = key.rsplit(".", 1)[0] if "." in key else ""
         owner = f"'{where}'" if where else "the recipe"
+        if _multirun and where in _swept:
+            # Hydra composes a multirun's settings against the group's default option before it
+            # sweeps the group (hydra issue #2888: expected, not a bug); ++ adds the key there.
+            typed = [o.lstrip("+") for o in _overrides if o.lstrip("+").split("=", 1)[0] == key]
+            fix = f"++{typed[0]}" if typed else f"++{key}=..."
+            return one_line(
+                f"{key}: in a multirun, Hydra checks it against the default '{where}' option, "
+                f"which has no '{name}', before sweeping '{where}'; write it as {fix}"
+            )
         if close:
             fix = f"did you mean {close[0]}?"
         elif known:
@@ -408,8 +420,10 @@ def cli(argv: list[str] | None = None) -> int:
         if args.experimental_rerun is not None:
             raise ConfigError("--experimental-rerun is not supported; rerun with the run's overrides")
         check_group_choices(args.overrides)
-        global _multirun
+        global _multirun, _swept, _overrides
         _multirun = bool(args.multirun)
+        _overrides = list(args.overrides)
+        _swept = swept_keys(args.overrides) if _multirun else set()
         with _hydra_errors_as_one_line():
             hydra_utils._run_hydra(
                 args=args,

@@ -540,6 +540,15 @@ def check_group_choices(overrides: list[str]) -> None:
             )
 
 
+def swept_keys(overrides: list[str]) -> set[str]:
+    """The keys and groups a multirun sweeps (``quant=int8,int4_awq`` sweeps ``quant``). The
+    overrides must parse (the caller reports Hydra's parse errors)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return {o.key_or_group for o in parsed if o.is_sweep_override()}
+
+
 def _unknown_keys(node: Any, where: str) -> None:
     """Keys that a structured node's dataclass does not declare (added with ``+``)."""
     if not isinstance(node, DictConfig):

@@ -316,6 +316,11 @@ def test_schema_entries_are_not_options() -> None:
         (["bench.repeats=abc"], "bench.repeats=abc: Value 'abc' of type 'str' could not be converted"),
         (["bench.repeats=[1"], "bench.repeats=[1: bad override syntax"),
         (["-m", "quant=int9,int8"], "quant=int9: no such option"),
+        (
+            ["-m", "quant=int8,int4_awq", "quant.exclude=[lm_head]"],
+            "quant.exclude: in a multirun, Hydra checks it against the default 'quant' option, which "
+            "has no 'exclude', before sweeping 'quant'; write it as ++quant.exclude=[lm_head]",
+        ),
         (["--cfg", "jobs"], "argument --cfg/-c: invalid choice: 'jobs'"),
         (["-m", "quant=int8", "--cfg", "job"], "Only one of --run, --multirun, --cfg"),
     ],
