@@ -26,6 +26,13 @@ swapped, an unrequested optional argument, and for parallel requests a call miss
 or merged into one. For ``irrelevance`` the no-call choice is ``[]`` among calls of the offered
 functions; ``[]`` never appears in the other categories. ``meta["choice_kinds"]`` names each.
 
+Syntax distractors: in ``simple``, ``multiple`` and ``parallel`` each item also offers the right
+call list with its JSON broken (``n_syntax`` of them, 1 by default, on top of ``n_choices``): a
+double quote missing, a brace or bracket unbalanced, a trailing comma, single quotes, or a colon
+missing (kinds ``syntax_<name>``, in turn over the items of a category). Every semantic choice
+is well-formed JSON, so damage that hits every choice alike cannot move the pick among them; a
+model that has lost JSON's syntax picks a broken copy of the right call instead.
+
 No prompt repeats within a category (``common.unique_draw``).
 """
 
@@ -44,7 +51,7 @@ from evals.suites.common import SEED, Item, item_id, pick_choices, plan, unique_
 NAME = "tool_call"
 FULL = {"simple": 150, "multiple": 150, "parallel": 150, "irrelevance": 150}
 QUICK = 12  # per category: 48 items
-DEFAULTS: dict[str, Any] = {"n_choices": 4, "n_functions": 4}
+DEFAULTS: dict[str, Any] = {"n_choices": 4, "n_functions": 4, "n_syntax": 1}
 
 CITIES = (
     "Paris", "Tokyo", "Lisbon", "Nairobi", "Toronto", "Sydney", "Cairo", "Oslo", "Lima", "Seoul",
@@ -794,6 +801,66 @@ def _irrelevance(
 
 MAKERS = {"simple": _simple, "multiple": _multiple, "parallel": _parallel, "irrelevance": _irrelevance}
 
+
+def _missing_quote(rng: random.Random, text: str) -> str:
+    i = rng.choice([m.start() for m in re.finditer('"', text)])
+    return text[:i] + text[i + 1 :]
+
+
+def _unbalanced(rng: random.Random, text: str) -> str:
+    # never the last closer dropped: that copy would be a prefix of the right call, which a
+    # log-likelihood ranking cannot tell from it (the continuation just stops early)
+    i = rng.choice([m.start() for m in re.finditer(r"[}\]]", text)])
+    if rng.random() < 0.5 and i < len(text) - 1:
+        return text[:i] + text[i + 1 :]
+    return text[:i] + text[i] + text[i:]
+
+
+def _trailing_comma(rng: random.Random, text: str) -> str:
+    i = rng.choice([m.start() for m in re.finditer(r"(?<=[^\[{])[}\]]", text)])
+    return text[:i] + "," + text[i:]
+
+
+def _single_quotes(rng: random.Random, text: str) -> str:
+    return text.replace('"', "'")
+
+
+def _missing_colon(rng: random.Random, text: str) -> str:
+    i = rng.choice([m.start() for m in re.finditer(r'(?<=")(?=: )', text)])
+    return text[:i] + text[i + 1 :]
+
+
+# JSON syntax errors a model that has lost the format makes (the issue's list): each breaks the
+# text for json.loads, and each keeps every name and value of the right call.
+SYNTAX_BREAKS: dict[str, Callable[[random.Random, str], str]] = {
+    "syntax_missing_quote": _missing_quote,
+    "syntax_unbalanced": _unbalanced,
+    "syntax_trailing_comma": _trailing_comma,
+    "syntax_single_quotes": _single_quotes,
+    "syntax_missing_colon": _missing_colon,
+}
+
+
+def syntax_distractors(rng: random.Random, correct: str, k: int, n: int) -> list[tuple[str, str]]:
+    """``n`` copies of ``correct`` (a call list's JSON text) with its syntax broken, of kinds in
+    turn from item ``k`` on, each one that ``json.loads`` refuses and none a prefix of
+    ``correct``."""
+    kinds = list(SYNTAX_BREAKS)
+    out = []
+    for j in range(n):
+        kind = kinds[(k + j) % len(kinds)]
+        broken = SYNTAX_BREAKS[kind](rng, correct)
+        if correct.startswith(broken):  # a generator bug: ranking cannot tell a prefix
+            raise AssertionError(f"{kind} made {broken!r}, a prefix of the right call")
+        try:
+            json.loads(broken)
+        except ValueError:
+            out.append((broken, kind))
+            continue
+        raise AssertionError(f"{kind} left {broken!r} valid JSON")  # a generator bug
+    return out
+
+
 INSTRUCTIONS = (
     "You can call these functions (JSON schemas, one a line):\n{schemas}\n\n"
     'Reply with a JSON list of the calls that answer the request, each as {{"name": <function '
@@ -818,14 +885,17 @@ def _drawn(
 
 def generate(size: str | int = "full", seed: int = SEED, **params: Any) -> list[Item]:
     """Items of the suite. ``params`` (difficulty): ``n_choices`` (candidate call lists per item,
-    4) and ``n_functions`` (functions offered in ``multiple``, at most that many in
-    ``irrelevance``, 4)."""
+    4), ``n_functions`` (functions offered in ``multiple``, at most that many in
+    ``irrelevance``, 4) and ``n_syntax`` (syntax-broken copies of the right call added to the
+    choices of every category but ``irrelevance``, 1)."""
     unknown = sorted(set(params) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"unknown tool_call parameters {unknown}: use {sorted(DEFAULTS)}")
     settings = {**DEFAULTS, **params}
     if settings["n_functions"] < 2:
         raise ValueError("tool_call: n_functions must be at least 2")
+    if not 0 <= settings["n_syntax"] <= len(SYNTAX_BREAKS):
+        raise ValueError(f"tool_call: n_syntax is 0 to {len(SYNTAX_BREAKS)}")
     items = []
     seen: dict[str, set[str]] = {category: set() for category in FULL}
     for category, count in plan(size, FULL, QUICK).items():
@@ -836,7 +906,11 @@ def generate(size: str | int = "full", seed: int = SEED, **params: Any) -> list[
             )
             correct = call_text(calls)
             distractors = [(call_text(c), kind) for c, kind in options]
-            choices, answer, kinds = pick_choices(rng, correct, distractors, settings["n_choices"])
+            n_syntax = 0 if category == "irrelevance" else settings["n_syntax"]
+            broken = syntax_distractors(rng, correct, k, n_syntax)
+            choices, answer, kinds = pick_choices(
+                rng, correct, broken + distractors, settings["n_choices"] + len(broken)
+            )
             meta = {
                 "functions": schemas,
                 "request": request,
