@@ -17,6 +17,11 @@ One run builds, with the real CLI (``python -m pipeline ... bench=none``, cached
   logit multiplied by it, a softmax temperature of 1/1.25. The argmax never changes (top-1
   agreement 100%) and a ranking of one-token answers neither, so suite scores barely move; the
   KL and perplexity do: FAIL by the token-level bounds (fp32 family);
+- ``quotes``: a JSON-syntax regression. The head is untied from the embedding, and the head
+  rows of every token holding a double quote are swapped with its single-quote twin (where the
+  vocabulary has one). The engine then writes ``'`` where ``"`` belongs and reads text as
+  before: tool_call's syntax distractors see it (FAIL). The other suites and the drift on
+  prose barely do;
 - ``noisy``: Gaussian noise of ``--noise`` (default 2%) of each row's RMS added to every
   decoder linear weight: a diffuse change that moves the held-out statistics more than a
   50-item suite can see: FAIL by the token-level bounds;
@@ -87,6 +92,7 @@ PAIRS: dict[str, tuple[str, str, str, str]] = {
     "swapped": ("two adjacent layers swapped", "none", "swapped", "FAIL"),
     "colder": ("logits x1.25 (final norm scaled): top-1 unchanged", "none", "colder", "FAIL"),
     "noisy": ("2% noise on every decoder weight", "none", "noisy", "FAIL"),
+    "quotes": ("double quotes written as single quotes (head rows swapped)", "none", "quotes", "FAIL"),
     "window": ("sliding-window attention shorter than the items", "none", "window", "FAIL"),
     "window-fused": ("sliding window vs the fused fp32 engine", "fused", "window", "FAIL"),
     "seeds-fused": ("calibration seed 0 vs 1, fused", "int8-fused-seed0", "int8-fused-seed1", "PASS"),
@@ -112,8 +118,9 @@ def modified_checkpoint(out: Path, name: str, args: argparse.Namespace) -> Path:
     """The default checkpoint re-saved by transformers, edited for the planted regression ``name``:
     ``swapped`` exchanges layers ``--swap`` and ``--swap`` + 1 (tensor by tensor, so every layer
     keeps its index), ``colder`` scales the final norm by ``--temperature``, ``noisy`` adds
-    seeded noise of ``--noise`` x each output row's RMS to every decoder linear weight;
-    ``resaved`` changes nothing."""
+    seeded noise of ``--noise`` x each output row's RMS to every decoder linear weight,
+    ``quotes`` unties the head and swaps its rows of each double-quote token and its
+    single-quote twin (:func:`quote_twins`); ``resaved`` changes nothing."""
     import torch
 
     from pipeline.core.torch_model import load_causal_lm
@@ -138,6 +145,20 @@ def modified_checkpoint(out: Path, name: str, args: argparse.Namespace) -> Path:
                     weight = module.weight
                     rms = weight.pow(2).mean(dim=1, keepdim=True).sqrt()
                     weight.add_(torch.randn(weight.shape, generator=generator) * rms * args.noise)
+        elif name == "quotes":
+            from tokenizers import Tokenizer
+
+            head = model.get_output_embeddings()
+            head.weight = torch.nn.Parameter(head.weight.detach().clone())  # untied: the input side stays
+            model.config.tie_word_embeddings = False
+            pairs = quote_twins(Tokenizer.from_file(str(SOURCE / "tokenizer.json")).get_vocab())
+            if not pairs:
+                raise ValueError(
+                    f"{SOURCE}: its vocabulary has no double-quote token with a single-quote twin"
+                )
+            first, second = zip(*pairs, strict=True)
+            rows = head.weight.data
+            rows[list(first + second)] = rows[list(second + first)].clone()
     staging = folder.with_name(f".{name}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, safe_serialization=True)
@@ -146,6 +167,17 @@ def modified_checkpoint(out: Path, name: str, args: argparse.Namespace) -> Path:
             shutil.copy2(SOURCE / extra, staging / extra)
     staging.rename(folder)
     return folder
+
+
+def quote_twins(vocab: dict[str, int]) -> list[tuple[int, int]]:
+    """(id, id) of each token holding a double quote (and no single one) and the token spelled
+    with single quotes in their place, where the vocabulary has it: a one-to-one pairing, so
+    swapping the pairs is a permutation."""
+    return sorted(
+        (index, vocab[token.replace('"', "'")])
+        for token, index in vocab.items()
+        if '"' in token and "'" not in token and token.replace('"', "'") in vocab
+    )
 
 
 def gate(label: str, baseline: Path, candidate: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -200,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in sorted(needed):  # only the builds the chosen pairs need (each is cached)
         if name in BUILDS:
             runs[name] = build(name, ["model=llama", *BUILDS[name]], out)
-        elif name in ("resaved", "swapped", "colder", "noisy"):
+        elif name in ("resaved", "swapped", "colder", "noisy", "quotes"):
             checkpoint = modified_checkpoint(out, name, args)
             runs[name] = build(name, [f"model.path={checkpoint}", "quant=none"], out)
         else:

@@ -60,6 +60,30 @@ def test_noisy_moves_every_decoder_weight_by_the_asked_share_of_its_rms(
     torch.testing.assert_close(noisy.model.norm.weight, original.model.norm.weight)  # only the linears
 
 
+def test_quotes_swaps_the_heads_quote_rows_and_keeps_the_input_side(
+    monkeypatch: pytest.MonkeyPatch, tiny_llama: Path, tmp_path: Path
+) -> None:
+    import torch
+    from tokenizers import Tokenizer
+
+    original, quotes = edited(monkeypatch, tiny_llama, tmp_path, "quotes")
+    pairs = gate_power.quote_twins(Tokenizer.from_file(str(tiny_llama / "tokenizer.json")).get_vocab())
+    assert pairs and not quotes.config.tie_word_embeddings
+    ids = torch.randint(0, original.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base, swapped = original(ids).logits, quotes(ids).logits
+    order = torch.arange(base.shape[-1])
+    for a, b in pairs:
+        order[a], order[b] = b, a
+    torch.testing.assert_close(swapped, base[..., order])  # the same hidden states, quote logits exchanged
+    torch.testing.assert_close(quotes.model.embed_tokens.weight, original.model.embed_tokens.weight)
+
+
+def test_quote_twins_pairs_each_double_quote_token_with_its_single_quote_spelling() -> None:
+    vocab = {'"': 0, "'": 1, '":': 2, "':": 3, '",': 4, "a": 5, "'a'": 6, '"a"': 7, "\"'": 8, "''": 9}
+    assert gate_power.quote_twins(vocab) == [(0, 1), (2, 3), (7, 6)]  # the token "' (both quotes) is left out
+
+
 @pytest.mark.parametrize(
     ("expected", "verdict", "answer"),
     [("PASS", "PASS", "yes"), ("FAIL", "FAIL", "yes"), ("FAIL", "INCONCLUSIVE", "safe"),
