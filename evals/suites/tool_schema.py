@@ -59,7 +59,7 @@ def reply_schema(functions: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"type": "array", "items": {"anyOf": calls} if calls else False}
 
 
-def _first_json(reply: str) -> tuple[Any, str]:
+def _first_json(reply: str) -> Any:
     """The first JSON value of ``reply``, decoded from its first ``[`` or ``{``; raises
     ValueError (json's own message) where that text is not JSON."""
     start = _START.search(reply)
@@ -69,7 +69,7 @@ def _first_json(reply: str) -> tuple[Any, str]:
     stray = _STRAY.match(reply, end)
     if stray:  # "[...]]", "{...},": the value closed early, so the JSON written is unbalanced
         raise ValueError(f"{stray.group(1)!r} right after the JSON value at char {stray.start(1)}")
-    return value, reply[start.start() : end]
+    return value
 
 
 def _schema_reason(
@@ -101,7 +101,7 @@ def _schema_reason(
 def check_calls(reply: str, functions: Sequence[Mapping[str, Any]]) -> CallValidity:
     """Parse ``reply``'s calls with ``json`` and validate them against ``functions``."""
     try:
-        value, _ = _first_json(reply)
+        value = _first_json(reply)
     except ValueError as error:
         return CallValidity(False, PARSE, str(error))
     try:
