@@ -7,8 +7,10 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from evals.gate import GateError, ItemScore
+from evals.suites.tool_schema import PARSE, SCHEMA
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +63,22 @@ def lm_eval_scores(
     chat: bool = False,
 ) -> list[ItemScore]:
     """0/1 per item: ``rank_metric`` of the ranking task, or ``acc`` of the generative one;
-    ``chat``: each item's prompt as one user turn of the tokenizer's chat template, else raw."""
+    ``chat``: each item's prompt as one user turn of the tokenizer's chat template, else raw.
+    ``suite`` may name a rule of ``evals.tasks.FIXED_SCORING``, scored its own way: for
+    ``tool_call_valid`` the worked examples are earlier chat turns (lm-eval's multi-turn
+    few-shot) and each failed item records why (``parse`` or ``schema``)."""
     quiet_lm_eval()
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     from evals.lm_model import EngineLM
-    from evals.tasks import TASKS_DIR, task_name
+    from evals.tasks import TASKS_DIR, rule_task
 
     if rank_metric not in RANK_METRICS:
         raise GateError(f"eval.rank_metric={rank_metric!r}: choose one of {', '.join(RANK_METRICS)}")
-    task = task_name(suite, scoring, size)
+    scoring, task = rule_task(suite, scoring, size)
     log.info("eval: %s on %s", task, engine)
+    fewshot = {"apply_chat_template": chat, "fewshot_as_multiturn": chat} if scoring == "valid" else {}
     results = simple_evaluate(
         model=EngineLM(engine=str(engine), threads=threads, chat=chat),
         tasks=[task],
@@ -80,6 +86,18 @@ def lm_eval_scores(
         log_samples=True,
         task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
         bootstrap_iters=0,  # the gate's own paired statistics replace lm-eval's stderr
+        **fewshot,
     )
     metric = rank_metric if scoring == "rank" else "acc"
-    return [ItemScore(s["doc"]["id"], s["doc"]["hash"], float(s[metric])) for s in results["samples"][task]]
+    return [
+        ItemScore(s["doc"]["id"], s["doc"]["hash"], float(s[metric]), failure_of(s))
+        for s in results["samples"][task]
+    ]
+
+
+def failure_of(sample: dict[str, Any]) -> str:
+    """Why a ``tool_call_valid`` sample failed (``parse``, ``schema``), or "" (passed, or a task
+    that does not say)."""
+    if "parsed" not in sample or sample.get("acc"):
+        return ""
+    return SCHEMA if sample["parsed"] else PARSE

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -33,6 +34,16 @@ from pipeline.core.errors import PipelineError
 log = logging.getLogger(__name__)
 
 OUTCOMES = (PASS, INCONCLUSIVE, FAIL)  # best first: the gate's outcome is its worst row's
+# Gate rules scored one way whatever ``eval.scoring`` says, each by a task of its own: rule ->
+# (the suite whose items it scores, its scoring). ``tool_call_valid``: generated calls parsed
+# with json and checked against the offered schemas (``evals/tasks/tool_valid.py``).
+FIXED_SCORING = {"tool_call_valid": ("tool_call", "valid")}
+
+
+def rule_suite(rule: str) -> str:
+    """The suite whose items a gate rule scores: the rule's own name, or its suite in
+    ``FIXED_SCORING``."""
+    return FIXED_SCORING[rule][0] if rule in FIXED_SCORING else rule
 
 
 class GateError(PipelineError, ValueError):
@@ -41,11 +52,13 @@ class GateError(PipelineError, ValueError):
 
 @dataclass(frozen=True)
 class ItemScore:
-    """One engine's result on one item."""
+    """One engine's result on one item; ``failure``: why it failed where its task says (a
+    generated call's ``parse`` or ``schema`` failure), else ""."""
 
     id: str
     hash: str
     score: float
+    failure: str = ""
 
 
 # (engine folder, suite name) -> per-item scores
@@ -96,6 +109,7 @@ def judge_suite(
     if 0.0 < thresholds.max_drop <= 1.0:  # a margin of 0 (or above the scale) sizes nothing
         sized = resolution(base, cand, thresholds.max_drop, alpha=1.0 - confidence)
     row["resolution"] = asdict(sized) if sized else None
+    row["failures"] = failure_counts(baseline, candidate)
     if outcome == INCONCLUSIVE and sized is not None:
         reasons.append(
             f"at its discordance this suite detects drops of {sized.minimum_detectable_drop:.3f} or more "
@@ -104,6 +118,19 @@ def judge_suite(
         )
     row.update({"verdict": outcome, "reasons": reasons, "thresholds": asdict(thresholds)})
     return row
+
+
+def failure_counts(
+    baseline: Sequence[ItemScore], candidate: Sequence[ItemScore]
+) -> dict[str, dict[str, int]] | None:
+    """Failed items by reason, per engine (``{"baseline": {"parse": 3, ...}, ...}``), or None
+    where the suite's task gives no reasons."""
+    if not any(s.failure for s in (*baseline, *candidate)):
+        return None
+    counts: dict[str, dict[str, int]] = {}
+    for name, scores in (("baseline", baseline), ("candidate", candidate)):
+        counts[name] = dict(sorted(Counter(s.failure for s in scores if s.failure).items()))
+    return counts
 
 
 def overall(rows: dict[str, dict[str, Any]]) -> tuple[str, str]:
@@ -116,13 +143,14 @@ def overall(rows: dict[str, dict[str, Any]]) -> tuple[str, str]:
 
 
 def suite_settings(settings: dict[str, Any], suite: str) -> dict[str, Any]:
-    """``settings`` with its ``suites`` file hashes narrowed to ``suite``'s own files
-    (``<suite>.jsonl``, ``<suite>.tokens.json``): regenerating one suite keeps the scores of the
-    others cached."""
+    """``settings`` with its ``suites`` file hashes narrowed to the files of the suite that
+    ``suite`` (a gate rule) scores (``<suite>.jsonl``, ``<suite>.tokens.json``): regenerating one
+    suite keeps the scores of the others cached."""
     files = settings.get("suites")
     if not isinstance(files, dict):
         return settings
-    return {**settings, "suites": {name: h for name, h in files.items() if name.split(".")[0] == suite}}
+    source = rule_suite(suite)
+    return {**settings, "suites": {name: h for name, h in files.items() if name.split(".")[0] == source}}
 
 
 def cached_scores(
@@ -162,6 +190,8 @@ def cached_scores(
 
 
 ITEM_FIELDS = {f.name for f in fields(ItemScore)}
+OPTIONAL_ITEM_FIELDS = {"failure"}  # absent from records written before it existed
+MAX_FAILURE = 40  # characters of a failure reason's name
 
 
 def scores_problem(record: dict[str, Any], key: Any) -> str | None:
@@ -175,8 +205,11 @@ def scores_problem(record: dict[str, Any], key: Any) -> str | None:
         return "its items are not a list"
     ids = set()
     for index, item in enumerate(items):
-        if not isinstance(item, dict) or set(item) != ITEM_FIELDS:
+        if not isinstance(item, dict) or not ITEM_FIELDS - OPTIONAL_ITEM_FIELDS <= set(item) <= ITEM_FIELDS:
             return f"item #{index} is not an object of {', '.join(sorted(ITEM_FIELDS))}"
+        failure = item.get("failure", "")
+        if not isinstance(failure, str) or len(failure) > MAX_FAILURE:
+            return f"item #{index}'s failure is not a short text"
         if not (isinstance(item["id"], str) and isinstance(item["hash"], str)):
             return f"item #{index}'s id or hash is not text"
         score = item["score"]

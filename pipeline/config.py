@@ -333,7 +333,9 @@ class EvalConfig:
     # ``python -m evals.tasks`` follows).
     chat: bool | None = None
     thresholds: dict[str, SuiteThresholds] = field(
-        default_factory=lambda: {s: SuiteThresholds() for s in ("reasoning", "tool_call", "long_context")}
+        default_factory=lambda: {
+            s: SuiteThresholds() for s in ("reasoning", "tool_call", "long_context", "tool_call_valid")
+        }
     )
     # Bounds on the token-level drift (held-out KL, top-1 agreement, perplexity ratio vs the
     # reference) per recipe family; the engine's family is the loosest of its passes', or

@@ -121,10 +121,10 @@ def long_context_warning(config: EvalConfig, engine: Path, calibrated: int | Non
 def check_eval(config: Any) -> None:
     """Unknown suites, missing thresholds, a bad metric: one-line errors before anything runs."""
     from evals.engine_scores import RANK_METRICS
-    from evals.gate import GateError, check_suites
+    from evals.gate import FIXED_SCORING, GateError, check_suites
     from evals.suites import SPECS
 
-    check_suites(list(config.suites), dict(config.thresholds), sorted(SPECS))
+    check_suites(list(config.suites), dict(config.thresholds), [*sorted(SPECS), *FIXED_SCORING])
     if config.rank_metric not in RANK_METRICS:
         raise GateError(f"eval.rank_metric={config.rank_metric!r}: choose one of {', '.join(RANK_METRICS)}")
 

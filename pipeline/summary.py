@@ -276,7 +276,19 @@ def gate_table(gate: dict[str, Any]) -> Table:
         numbers = _drift_numbers(drift)
         label = f"token drift ({drift['family']})"
         table.add_row(label, "", "", "", numbers, "", "", "", _verdict_text(drift["verdict"]))
+    failures = [
+        f"{suite}: {_failures_text(row)}" for suite, row in gate["suites"].items() if row.get("failures")
+    ]
+    table.caption = " · ".join(failures) or None
     return table
+
+
+def _failures_text(row: dict[str, Any]) -> str:
+    """A rule's failed items by reason, per engine: ``baseline parse 13, schema 12; candidate ...``."""
+    return "; ".join(
+        f"{engine} " + (", ".join(f"{reason} {count}" for reason, count in counts.items()) or "none")
+        for engine, counts in row["failures"].items()
+    )
 
 
 def gate_verdict_lines(gate: dict[str, Any]) -> list[str]:
@@ -289,6 +301,7 @@ def gate_verdict_lines(gate: dict[str, Any]) -> list[str]:
             f"  {suite}: {row['n']} items, baseline {row['baseline_mean']:.1%}, candidate "
             f"{row['candidate_mean']:.1%}, difference {row['difference']:+.1%} "
             f"[{row['ci_low']:+.1%}, {row['ci_high']:+.1%}]: {row['verdict']}"
+            + (f" (failed: {_failures_text(row)})" if row.get("failures") else "")
         )
     drift = gate.get("drift")
     if drift:

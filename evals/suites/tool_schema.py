@@ -9,7 +9,9 @@ This is the validity of a call, not its correctness: ``evals/suites/tool_ast.py`
 calls against the expected ones (BFCL's AST rules) and reads calls out of prose, as BFCL does,
 so it may read a call out of broken JSON. Here a reply that a JSON parser refuses is a
 ``parse`` failure, and one that parses but breaks a schema is a ``schema`` failure, reported
-apart. Prose before the JSON (and a Markdown code fence around it) is allowed, as is text after
+apart. One call written as a bare object (``{"name": ..., "arguments": ...}``, the form that
+serving engines' tool parsers read, such as vLLM's Hermes and Llama-3 JSON parsers) counts as a
+list of that call. Prose before the JSON (and a Markdown code fence around it) is allowed, as is text after
 the first complete JSON value (a greedy decode runs on past the answer until its stop
 sequence), unless that text opens with JSON punctuation that cannot follow a value (``]``,
 ``}``, ``,``, ``:``): then the JSON written was unbalanced.
@@ -109,6 +111,8 @@ def check_calls(reply: str, functions: Sequence[Mapping[str, Any]]) -> CallValid
         validator.check_schema(validator.schema)
     except SchemaError as error:  # an offered schema that is not a JSON Schema: a suite bug
         raise ValueError(f"the offered functions are not valid JSON Schema: {error.message}") from error
+    if isinstance(value, dict):  # one call, unwrapped
+        value = [value]
     if validator.is_valid(value):
         return CallValidity(True)
     return CallValidity(False, SCHEMA, _schema_reason(value, validator, functions))

@@ -148,6 +148,8 @@ FIELD_DAMAGES = {
     "another engine's key": lambda r: r["key"].update(engine="d-other"),
     "no key": lambda r: r.pop("key"),
     "items an object": lambda r: r.update(items={"a": 1}),
+    "failure a number": lambda r: r["items"][0].update(failure=3),
+    "failure a long text": lambda r: r["items"][0].update(failure="x" * 500),
 }
 
 
@@ -262,3 +264,25 @@ def test_run_gate_logs_each_suite_as_it_starts_and_ends(
     assert lines[ended[0]].endswith(": PASS") and "baseline 66.7%, candidate 66.7%" in lines[ended[0]]
     scored = [line for line in lines if line.startswith("eval: scored a of d-c: 12 items in ")]
     assert len(scored) == 1 and scored[0].endswith(" s")
+
+
+def test_failure_reasons_are_counted_per_engine_and_old_records_without_them_read(tmp_path: Path) -> None:
+    def score(engine: Path, suite: str) -> list[ItemScore]:
+        failed = {"b": ["parse"] * 10 + ["schema"] * 10, "c": ["parse"] * 18 + ["schema"] * 2}[engine.name]
+        return [
+            ItemScore(f"i{i}", "h", 0.0 if i < 20 else 1.0, failed[i] if i < 20 else "") for i in range(40)
+        ]
+
+    kwargs = dict(suites=["v"], thresholds={"v": GateThresholds()}, score_fn=score, settings={})
+    record = run_gate((tmp_path / "c", "d-c"), (tmp_path / "b", "d-b"), **kwargs, cache_dir=tmp_path)
+    failures = {"baseline": {"parse": 10, "schema": 10}, "candidate": {"parse": 18, "schema": 2}}
+    assert record["suites"]["v"]["failures"] == failures
+    for path in (tmp_path / "eval").glob("*.json"):  # written before reasons were recorded
+        old = json.loads(path.read_text())
+        for item in old["items"]:
+            item.pop("failure")
+        path.write_text(json.dumps(old))
+    again = run_gate((tmp_path / "c", "d-c"), (tmp_path / "b", "d-b"), **kwargs, cache_dir=tmp_path)
+    assert again["suites"]["v"]["failures"] is None and again["suites"]["v"]["n"] == 40
+    uncached = run_gate((tmp_path / "c", "d-c"), (tmp_path / "b", "d-b"), **kwargs, cache_dir=None)
+    assert uncached["suites"]["v"]["failures"] == failures

@@ -10,7 +10,7 @@ import pytest
 from lm_eval.tasks import TaskManager
 
 from evals.suites import SPECS, item_hash, load_suite
-from evals.tasks import SCORINGS, SIZES, TASK_NAMES, TASKS_DIR, task_name
+from evals.tasks import FIXED_SCORING, SCORINGS, SIZES, TASK_NAMES, TASKS_DIR, task_name
 from evals.tasks.docs import docs, reference_text
 from evals.tasks.scoring import last_number, match_choice, named_choices, process_results, score
 
@@ -18,7 +18,7 @@ from evals.tasks.scoring import last_number, match_choice, named_choices, proces
 def test_every_suite_has_its_tasks() -> None:
     assert {task_name(suite, "rank") for suite in SPECS} <= set(TASK_NAMES)
     assert {p.stem for p in TASKS_DIR.glob("*.yaml")} == set(TASK_NAMES)
-    assert len(TASK_NAMES) == len(SPECS) * len(SCORINGS) * len(SIZES)
+    assert len(TASK_NAMES) == (len(SPECS) * len(SCORINGS) + len(FIXED_SCORING)) * len(SIZES)
 
 
 def test_tasks_load_from_any_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

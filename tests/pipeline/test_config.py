@@ -215,3 +215,13 @@ def test_calibration_knobs_are_bounded_and_named_where_the_recipe_sets_them() ->
         with config_where("prune"), pytest.raises(CalibrationError, match=f"^prune\\.calibration\\.{needle}"):
             build_config(CalibrationConfig, values)
     build_config(CalibrationConfig, {"seq_len": 1 << 20, "num_samples": 1 << 16})  # the bounds themselves
+
+
+@pytest.mark.parametrize(("size", "max_drop"), [("quick", 0.15), ("full", 0.05)])
+def test_the_generated_call_rule_is_selectable_with_its_thresholds(size: str, max_drop: float) -> None:
+    from pipeline.gate import check_eval
+
+    config = load_eval_config(size, ["suites=[reasoning,tool_call,long_context,tool_call_valid]"])
+    check_eval(config)  # a known rule with thresholds
+    assert dict(config.thresholds)["tool_call_valid"].max_drop == max_drop
+    assert "tool_call_valid" not in load_eval_config(size, []).suites  # not a default rule yet

@@ -138,3 +138,15 @@ def test_a_sweep_job_writes_its_summary_whole_to_its_folder(tmp_path: Path) -> N
     text = path.read_text()
     assert "-10.4% [-18.8%, -2.1%]" in text and "…" not in text and "\x1b[" not in text  # no colour codes
     assert RUN_STAGING.fullmatch(unique_name(f".{SUMMARY_FILE}"))  # a killed job's staging is removed
+
+
+def test_a_rule_that_gives_reasons_shows_its_failures_per_engine() -> None:
+    row = dict(GATE["suites"]["long_context"])
+    row["failures"] = {"baseline": {"parse": 13, "schema": 12}, "candidate": {"parse": 30}}
+    gate = {**GATE, "suites": {**GATE["suites"], "tool_call_valid": row}}
+    out = io.StringIO()
+    make_console(out).print(gate_table(gate))
+    text = " ".join(out.getvalue().split())
+    assert "tool_call_valid: baseline parse 13, schema 12; candidate parse 30" in text
+    assert gate_verdict_lines(gate)[4].endswith("(failed: baseline parse 13, schema 12; candidate parse 30)")
+    assert gate_table(GATE).caption is None  # rules without reasons add nothing

@@ -24,6 +24,7 @@ def test_a_valid_call_list_passes_with_prose_around_it() -> None:
     assert check_calls(f"Sure:\n```json\n{RIGHT}\n```\nAnything else?", [CONVERT])
     assert check_calls(RIGHT + '\nRequest: and [{"name": broken', [CONVERT])  # the decode ran on
     assert check_calls("[]", [CONVERT])  # no call is a valid reply
+    assert check_calls(RIGHT[1:-1], [CONVERT])  # one call as a bare object, as serving parsers read it
     for stray in ("]", " }", ",", "\n:"):
         assert check_calls(RIGHT + stray, [CONVERT]).failure == PARSE, stray
 
@@ -48,7 +49,7 @@ def test_every_broken_copy_is_a_parse_failure(kind: str) -> None:
          "unit: 'kelvin' is not one of"),
         ('[{"name": "book_taxi", "arguments": {}}]', "'book_taxi' is not an offered function"),
         ('[{"name": "convert_currency"}]', "'arguments' is a required property"),
-        ('{"name": "convert_currency", "arguments": {}}', "is not of type 'array'"),
+        ('{"name": "convert_currency", "arguments": {}}', "'amount' is a required property"),
         ("[1]", "1 is not valid under any of the given schemas"),
     ],
 )  # fmt: skip
