@@ -13,9 +13,11 @@ the command line, ``python -m evals.tasks --model pipeline-engine --model_args e
 - ``engine`` (required): the engine folder (``engine.json``); anything else is a one-line
   ``EngineError``.
 - ``threads``: ONNX Runtime intra-op threads (0: the engine's setting).
-- ``batch_size``: rows per ``generate_until`` batch (left-padded; ``auto`` means 1). Scoring
-  runs one context at a time: the context is run once and its KV cache shared by every
-  candidate continuation, which is what multiple-choice ranking needs.
+- ``batch_size``: rows per ``generate_until`` batch (left-padded; ``auto`` means 1). At 1,
+  prompts are generated in token order, each on the KV cache of the prefix it shares with the
+  one before (a few-shot task's worked examples run once). Scoring runs one context at a time:
+  the context is run once and its KV cache shared by every candidate continuation, which is
+  what multiple-choice ranking needs.
 - ``chat``: wrap each request's context in the tokenizer's chat template as one user turn,
   so the continuation (ranking) or the generation starts the assistant turn. Default: off, raw
   prompts, lm-eval's convention for every model (its ``hf`` model templates only under
@@ -54,7 +56,13 @@ from tqdm import tqdm
 from pipeline.core.errors import EngineError, first_line
 from pipeline.runtime import Engine, GenerationConfig
 from pipeline.runtime.chat_template import render_chat, template_file
-from pipeline.runtime.generate import PREFILL_CHUNK, common_prefix_length, prefill, prompt_step
+from pipeline.runtime.generate import (
+    PREFILL_CHUNK,
+    common_prefix_length,
+    generate,
+    prefill,
+    prompt_step,
+)
 
 MODEL_NAME = "pipeline-engine"
 LM_EVAL_VERSION = "0.4.13"
@@ -416,13 +424,21 @@ class EngineLM(TemplateLM):
                 top_p=float(options.get("top_p") or 1.0),
                 seed=options.get("seed"),
             )
-            rows.sort(key=lambda row: -len(row[2]))  # similar lengths share a batch
+            reuse = self._reuses_prefixes()
+            # token order: neighbours share their longest prefix; else similar lengths batch together
+            rows.sort(key=(lambda row: row[2]) if reuse else (lambda row: -len(row[2])))
+            previous: list[int] = []
+            cache: Any = None
             for start in range(0, len(rows), self.batch_size):
                 batch = rows[start : start + self.batch_size]
                 prompts = [self._fit_prompt(ids, new_tokens) for _, _, ids in batch]
-                for (index, context, _), text in zip(
-                    batch, self._generate(prompts, config, until), strict=True
-                ):
+                if reuse:
+                    texts, previous, cache = self._generate_after_prefix(
+                        prompts[0], config, until, previous, cache
+                    )
+                else:
+                    texts = self._generate(prompts, config, until)
+                for (index, context, _), text in zip(batch, texts, strict=True):
                     results[index] = text
                     self.cache_hook.add_partial("generate_until", (context, json.loads(key)), text)
                 bar.update(len(batch))
@@ -440,11 +456,48 @@ class EngineLM(TemplateLM):
             )
         return ids[-room:]
 
+    def _reuses_prefixes(self) -> bool:
+        """Whether generation runs one prompt at a time on the cache of the previous prompt's
+        shared prefix (the worked examples of a few-shot task, the schemas of tool_call items):
+        batches of one, no draft model, and a model whose cache can be cut back."""
+        model = self.engine.model
+        return self.batch_size == 1 and self.engine.draft is None and hasattr(model, "truncate_cache")
+
+    def _generate_after_prefix(
+        self,
+        prompt: list[int],
+        config: GenerationConfig,
+        until: Sequence[str],
+        previous: list[int],
+        cache: Any,
+    ) -> tuple[list[str], list[int], Any]:
+        """``_generate`` for one prompt whose prefix shared with ``previous`` (the prompt tokens
+        that ``cache`` holds) is not run again: the cache is cut back to it and only the rest of
+        the prompt is prefilled. Returns the text, and the prompt tokens and cache to hand to the
+        next call. Equal to generating from scratch up to float rounding (the prompt in chunks)."""
+        model = self.engine.model
+        kept = len(prompt) - 1  # the last prompt token is fed by the generation's first step
+        shared = min(common_prefix_length(previous, prompt), kept)
+        cache = self._cut(cache, shared) if shared and cache is not None else None
+        if cache is None:  # nothing shared, or a cache that cannot be cut back
+            shared, cache = 0, model.empty_cache(1)
+        if kept > shared:
+            cache = prefill(model, prompt[shared:kept], cache, start=shared, chunk=self.prefill_chunk)
+        self.prefix_tokens_reused += shared
+        texts = self._generate([prompt[kept:]], config, until, cache=cache, past=kept)
+        return texts, prompt[:kept], cache
+
     def _generate(
-        self, prompts: list[list[int]], config: GenerationConfig, until: Sequence[str]
+        self,
+        prompts: list[list[int]],
+        config: GenerationConfig,
+        until: Sequence[str],
+        cache: Any = None,
+        past: int = 0,
     ) -> list[str]:
         """Texts generated for a batch of prompts, each cut at its first stop string. Decoding
-        ends as soon as every row has stopped (EOS or a stop string)."""
+        ends as soon as every row has stopped (EOS or a stop string). ``cache`` holding ``past``
+        prompt positions: one prompt, its tokens after them."""
         tokens: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
 
@@ -464,5 +517,18 @@ class EngineLM(TemplateLM):
                 raise _AllStopped
 
         with contextlib.suppress(_AllStopped):
-            self.engine.generate_ids(prompts, config, on_tokens)
+            if cache is None:
+                self.engine.generate_ids(prompts, config, on_tokens)
+            else:
+                engine = self.engine
+                generate(
+                    engine.model,
+                    prompts,
+                    config,
+                    pad_id=engine.pad_token_id,
+                    eos_ids=engine.eos_token_ids,
+                    on_tokens=on_tokens,
+                    cache=cache,
+                    past=past,
+                )
         return [cut_at_stop(self.tok_decode(row), until) for row in tokens]

@@ -166,21 +166,29 @@ def generate(
     eos_ids: Sequence[int] = (),
     on_tokens: Callable[[np.ndarray], None] | None = None,
     right_padded: bool = False,
+    cache: Any = None,
+    past: int = 0,
 ) -> GenerationResult:
     """Decode up to ``config.max_new_tokens`` tokens for each prompt (one batch, padded on the
-    left, or on the right for a GroupQueryAttention graph: see the module docstring)."""
+    left, or on the right for a GroupQueryAttention graph: see the module docstring). ``cache``
+    holding ``past`` positions already (one prompt's prefix, prefilled once for several
+    prompts): the prompt is the tokens after them, fed at positions ``past``.."""
+    if past and len(prompts) != 1:
+        raise ValueError("a prefilled cache (past > 0) holds one prompt's prefix: pass one prompt")
     rng = np.random.default_rng(config.seed)
     ids, mask = (right_pad if right_padded else left_pad)(prompts, pad_id)
+    if past:
+        mask = np.ones((1, past + ids.shape[1]), dtype=np.int64)
     lengths = mask.sum(-1)
-    positions = np.clip(mask.cumsum(-1) - 1, 0, None)
-    cache = model.empty_cache(len(prompts))
+    positions = np.clip(mask.cumsum(-1) - 1, 0, None)[:, -ids.shape[1] :]
+    cache = model.empty_cache(len(prompts)) if cache is None else cache
     eos = np.array(list(eos_ids), dtype=np.int64)
     finished = np.zeros(len(prompts), dtype=bool)
     generated: list[list[int]] = [[] for _ in prompts]
     step_seconds: list[float] = []
 
     start = time.perf_counter()
-    last_index = lengths - 1 if right_padded else np.full(len(prompts), ids.shape[1] - 1)
+    last_index = lengths - 1 - past if right_padded else np.full(len(prompts), ids.shape[1] - 1)
     logits, cache = prompt_step(model, ids, mask, positions, cache, logits_at=last_index)
     last = logits[:, 0]
     prefill_seconds = 0.0

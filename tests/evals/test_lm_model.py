@@ -234,6 +234,24 @@ def test_generate_until_on_the_engine(tiny_engine: Any, lm: EngineLM) -> None:
     )
 
 
+def test_generation_reuses_the_shared_prefix_and_generates_as_from_scratch(
+    tiny_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts that share a prefix (a few-shot task's worked examples) prefill it once; each
+    generates what it would from an empty cache."""
+    shared = "Examples: the quick brown fox jumps over the lazy dog. Then: "
+    prompts = [shared + tail for tail in ("one", "two three", "one more", "zebra")] + ["unrelated"]
+    requests = [Req(p, {"until": [], "max_gen_toks": 10}) for p in prompts]
+    lm = EngineLM(engine=str(tiny_engine.path))
+    assert lm._reuses_prefixes()
+    reused = lm.generate_until(requests, disable_tqdm=True)
+    assert lm.prefix_tokens_reused >= 3 * len(lm.tok_encode(shared)) - 3
+    monkeypatch.setattr(EngineLM, "_reuses_prefixes", lambda self: False)
+    scratch = EngineLM(engine=str(tiny_engine.path))
+    assert scratch.generate_until(requests, disable_tqdm=True) == reused
+    assert scratch.prefix_tokens_reused == 0
+
+
 def test_log_likelihoods_match_lm_evals_hf_model_on_the_same_checkpoint(
     lm: EngineLM, chat_engine: Path, tiny_llama: Path
 ) -> None:
