@@ -321,7 +321,11 @@ class EvalConfig:
 
     enabled: bool = False
     size: SuiteSize = SuiteSize.quick
-    suites: list[str] = field(default_factory=lambda: ["reasoning", "tool_call", "long_context"])
+    # The rules scored: the three suites, and tool_call_valid (tool_call's items as generated,
+    # parsed and schema-checked calls: evals/tasks/tool_valid.py).
+    suites: list[str] = field(
+        default_factory=lambda: ["reasoning", "tool_call", "long_context", "tool_call_valid"]
+    )
     scoring: Scoring = Scoring.rank
     # Ranking metric: acc (highest summed log-likelihood) or acc_norm (per byte: no bias to short
     # answers such as the "[]" of tool_call's irrelevance items).

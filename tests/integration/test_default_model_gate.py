@@ -27,9 +27,12 @@ def test_default_model_gate_quick(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     gate = json.loads((tmp_path / "run" / "manifest.json").read_text())["gate"]
     assert gate["verdict"] == "PASS" and gate["same_engine"]  # quant=none: the engine is its own baseline
-    assert set(gate["suites"]) == {"reasoning", "tool_call", "long_context"}
+    assert set(gate["suites"]) == {"reasoning", "tool_call", "long_context", "tool_call_valid"}
     for row in gate["suites"].values():
         assert row["n"] == ITEMS and row["difference"] == 0 and 0 <= row["baseline_mean"] <= 1
     assert "Eval gate (quick suites, rank scoring): PASS" in result.stdout
     cached = list((tmp_path / "cache" / "eval").glob("*.json"))
-    assert len(cached) == 3  # one engine, three suites: scored once each
+    assert len(cached) == 4  # one engine, four rules: scored once each
+    valid = gate["suites"]["tool_call_valid"]  # generated calls: each failure has its reason
+    failed = sum((valid["failures"] or {}).get("baseline", {}).values())
+    assert failed == round(ITEMS * (1 - valid["baseline_mean"]))

@@ -224,4 +224,4 @@ def test_the_generated_call_rule_is_selectable_with_its_thresholds(size: str, ma
     config = load_eval_config(size, ["suites=[reasoning,tool_call,long_context,tool_call_valid]"])
     check_eval(config)  # a known rule with thresholds
     assert dict(config.thresholds)["tool_call_valid"].max_drop == max_drop
-    assert "tool_call_valid" not in load_eval_config(size, []).suites  # not a default rule yet
+    assert "tool_call_valid" in load_eval_config(size, []).suites  # a default rule
