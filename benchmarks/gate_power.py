@@ -20,8 +20,8 @@ One run builds, with the real CLI (``python -m pipeline ... bench=none``, cached
 - ``quotes``: a JSON-syntax regression. The head is untied from the embedding, and the head
   rows of every token holding a double quote are swapped with its single-quote twin (where the
   vocabulary has one). The engine then writes ``'`` where ``"`` belongs and reads text as
-  before: tool_call's syntax distractors see it (FAIL). The other suites and the drift on
-  prose barely do;
+  before: tool_call's syntax distractors see it, and tool_call_valid (its generated calls
+  no longer parse) sees it more clearly (FAIL). The other suites and the drift on prose barely do;
 - ``noisy``: Gaussian noise of ``--noise`` (default 2%) of each row's RMS added to every
   decoder linear weight: a diffuse change that moves the held-out statistics more than a
   50-item suite can see: FAIL by the token-level bounds;
