@@ -56,13 +56,7 @@ from tqdm import tqdm
 from pipeline.core.errors import EngineError, first_line
 from pipeline.runtime import Engine, GenerationConfig
 from pipeline.runtime.chat_template import render_chat, template_file
-from pipeline.runtime.generate import (
-    PREFILL_CHUNK,
-    common_prefix_length,
-    generate,
-    prefill,
-    prompt_step,
-)
+from pipeline.runtime.generate import PREFILL_CHUNK, common_prefix_length, prefill, prompt_step
 
 MODEL_NAME = "pipeline-engine"
 LM_EVAL_VERSION = "0.4.13"
@@ -517,18 +511,5 @@ class EngineLM(TemplateLM):
                 raise _AllStopped
 
         with contextlib.suppress(_AllStopped):
-            if cache is None:
-                self.engine.generate_ids(prompts, config, on_tokens)
-            else:
-                engine = self.engine
-                generate(
-                    engine.model,
-                    prompts,
-                    config,
-                    pad_id=engine.pad_token_id,
-                    eos_ids=engine.eos_token_ids,
-                    on_tokens=on_tokens,
-                    cache=cache,
-                    past=past,
-                )
+            self.engine.generate_ids(prompts, config, on_tokens, cache=cache, past=past)
         return [cut_at_stop(self.tok_decode(row), until) for row in tokens]

@@ -419,15 +419,30 @@ class Engine:
         config: GenerationConfig | None = None,
         on_tokens: Callable[[np.ndarray], None] | None = None,
         use_draft: bool = True,
+        cache: Any = None,
+        past: int = 0,
     ) -> GenerationResult:
         """Token ids of each prompt's continuation; with a draft (and ``use_draft``), greedy
-        single-prompt decoding is speculative and ``last_draft_stats`` tells how it went."""
+        single-prompt decoding is speculative and ``last_draft_stats`` tells how it went.
+        ``cache`` holding ``past`` positions (a prefix prefilled once for several prompts): one
+        prompt, its tokens after them, decoded by this engine alone."""
         config = config or GenerationConfig()
-        longest = max((len(p) for p in prompts), default=0)
+        longest = past + max((len(p) for p in prompts), default=0)
         if longest + config.max_new_tokens > self.max_length:
             raise EngineError(
                 f"a {longest}-token prompt plus {config.max_new_tokens} new tokens exceeds this engine's "
                 f"max_length {self.max_length}: shorten the prompt or lower max_new_tokens"
+            )
+        if cache is not None:
+            return generate(
+                self.model,
+                prompts,
+                config,
+                pad_id=self.pad_token_id,
+                eos_ids=self.eos_token_ids,
+                on_tokens=on_tokens,
+                cache=cache,
+                past=past,
             )
         if use_draft and self.draft is not None and not config.do_sample and len(prompts) == 1:
             return self._generate_speculatively(prompts[0], config, on_tokens)
