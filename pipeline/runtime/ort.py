@@ -433,18 +433,8 @@ class Engine:
                 f"a {longest}-token prompt plus {config.max_new_tokens} new tokens exceeds this engine's "
                 f"max_length {self.max_length}: shorten the prompt or lower max_new_tokens"
             )
-        if cache is not None:
-            return generate(
-                self.model,
-                prompts,
-                config,
-                pad_id=self.pad_token_id,
-                eos_ids=self.eos_token_ids,
-                on_tokens=on_tokens,
-                cache=cache,
-                past=past,
-            )
-        if use_draft and self.draft is not None and not config.do_sample and len(prompts) == 1:
+        drafted = use_draft and self.draft is not None and cache is None
+        if drafted and not config.do_sample and len(prompts) == 1:
             return self._generate_speculatively(prompts[0], config, on_tokens)
         # A GroupQueryAttention graph batches prompts of unequal length padded on the right,
         # except with a sliding-window buffer, which evicts rows at each row's own length.
@@ -458,6 +448,8 @@ class Engine:
                 eos_ids=self.eos_token_ids,
                 on_tokens=on_tokens,
                 right_padded=right_padded,
+                cache=cache,
+                past=past,
             )
         return self._generate_one_by_one(prompts, config, on_tokens)
 

@@ -245,3 +245,22 @@ def test_top_p_zero_keeps_the_most_likely_token() -> None:
     logits = np.array([[0.1, 2.0, 0.3]])
     config = GenerationConfig(do_sample=True, top_p=0.0, seed=0)
     assert sample_next(logits, config, np.random.default_rng(0)).tolist() == [1]
+
+
+@pytest.mark.parametrize("right_padded", [False, True])
+def test_a_prefilled_prefix_generates_as_from_scratch(
+    ort_model: OrtModel, prompts: list[list[int]], right_padded: bool
+) -> None:
+    from pipeline.runtime.generate import prefill
+
+    prompt = prompts[1]
+    config = GenerationConfig(max_new_tokens=6, stop_at_eos=False)
+    scratch = generate(ort_model, [prompt], config, pad_id=0, right_padded=right_padded).tokens
+    past = len(prompt) - 3
+    cache = prefill(ort_model, prompt[:past], ort_model.empty_cache(1))
+    resumed = generate(
+        ort_model, [prompt[past:]], config, pad_id=0, right_padded=right_padded, cache=cache, past=past
+    )
+    assert resumed.tokens == scratch
+    with pytest.raises(ValueError, match="pass one prompt"):
+        generate(ort_model, prompts[:2], config, pad_id=0, cache=cache, past=past)
