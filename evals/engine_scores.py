@@ -64,7 +64,7 @@ def lm_eval_scores(
 ) -> list[ItemScore]:
     """0/1 per item: ``rank_metric`` of the ranking task, or ``acc`` of the generative one;
     ``chat``: each item's prompt as one user turn of the tokenizer's chat template, else raw.
-    ``suite`` may name a rule of ``evals.tasks.FIXED_SCORING``, scored its own way: for
+    ``suite`` may name a rule of ``evals.gate.FIXED_SCORING``, scored its own way: for
     ``tool_call_valid`` the worked examples are earlier chat turns (lm-eval's multi-turn
     few-shot) and each failed item records why (``parse`` or ``schema``)."""
     quiet_lm_eval()

@@ -103,12 +103,7 @@ def docs(size: str = "full") -> list[dict[str, Any]]:
 
 def load(size: str = "full", **_: Any) -> dict[str, datasets.Dataset]:
     """``custom_dataset`` of the tasks: the scored items (``test``) and the examples (``demos``)."""
-    demos = [{key: doc.get(key, "") for key in ("id", "prompt", "reference")} for doc in demo_docs()]
-    scored = docs(size)
-    for doc in demos:  # one schema for both splits
-        doc.update({key: "" for key in scored[0] if key not in doc} if scored else {})
-        doc["choices"], doc["answer"] = [], 0
-    return {"test": datasets.Dataset.from_list(scored), "demos": datasets.Dataset.from_list(demos)}
+    return {"test": datasets.Dataset.from_list(docs(size)), "demos": datasets.Dataset.from_list(demo_docs())}
 
 
 def process_results(doc: dict[str, Any], results: list[str]) -> dict[str, float]:
