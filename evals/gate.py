@@ -9,6 +9,8 @@ thresholds give PASS (non-inferiority shown), FAIL (a regression shown) or INCON
 settle it. The token-level drift of the run's quality record (held-out KL, top-1 agreement,
 perplexity ratio; ``evals/drift.py``) is judged against its recipe family's bounds. The gate
 FAILs when any suite or the drift rule does, else is INCONCLUSIVE when any is, else PASSes.
+A category the suite-validity report (``evals/validity.py``) finds the reference cannot score
+above chance, or scores perfectly, is kept out of its rule's verdict and listed in the row.
 
 Scores of one engine on one suite depend only on the engine's content, the frozen suite and the
 scoring settings, so they are cached by those (the baseline of a nightly matrix is scored once).
@@ -28,6 +30,7 @@ from typing import Any
 
 from evals.drift import DriftRule, judge_drift
 from evals.stats import FAIL, INCONCLUSIVE, PASS, GateThresholds, compare_suite, resolution, verdict
+from evals.validity import categories_of, invalid_categories, rule_settings
 from pipeline.core.cache import computing_once, load_record, write_record
 from pipeline.core.errors import PipelineError
 
@@ -38,6 +41,11 @@ OUTCOMES = (PASS, INCONCLUSIVE, FAIL)  # best first: the gate's outcome is its w
 # (the suite whose items it scores, its scoring). ``tool_call_valid``: generated calls parsed
 # with json and checked against the offered schemas (``evals/tasks/tool_valid.py``).
 FIXED_SCORING = {"tool_call_valid": ("tool_call", "valid")}
+
+
+def rule_scoring(rule: str, scoring: str) -> str:
+    """How a gate rule is scored: its ``FIXED_SCORING``, else the gate's ``scoring``."""
+    return FIXED_SCORING[rule][1] if rule in FIXED_SCORING else scoring
 
 
 def rule_suite(rule: str) -> str:
@@ -244,11 +252,14 @@ def run_gate(
     confidence: float = 0.95,
     resamples: int = 10_000,
     seed: int = 0,
+    validity: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Score both engines (folder, content digest) on every suite and judge each, and judge the
     token-level drift of ``quality`` (the held-out comparison with the reference) by the rule of
     the recipe's family (``drift``: family, rule; None: the suites alone); the record the run
-    manifest keeps as ``gate``. ``settings`` (suite size, scoring, ...) key the score cache."""
+    manifest keeps as ``gate``. ``settings`` (suite size, scoring, ...) key the score cache.
+    ``validity``: the suite-validity report (``evals.validity``); the items of a category it
+    marks invalid are kept out of the verdict, and each row lists them (``kept_out``)."""
     rows: dict[str, dict[str, Any]] = {}
     for number, suite in enumerate(suites, start=1):
         # A line as each suite starts and ends: scoring a long suite takes minutes on a loaded host.
@@ -264,7 +275,9 @@ def run_gate(
             cand = base  # the same engine: scored once
         else:
             cand = cached_scores(score_fn, candidate[0], candidate[1], suite, settings, cache_dir)
+        base, cand, kept_out = keep_valid(suite, base, cand, settings, validity)
         row = judge_suite(suite, base, cand, thresholds[suite], confidence, resamples, seed)
+        row["kept_out"] = kept_out
         rows[suite] = row
         log.info(
             "%s: done, %d items in %.1f s: baseline %.1f%%, candidate %.1f%%: %s",
@@ -288,6 +301,36 @@ def run_gate(
         "candidate": candidate[1],
         "same_engine": candidate[1] == baseline[1],
     }
+
+
+def keep_valid(
+    rule: str,
+    baseline: list[ItemScore],
+    candidate: list[ItemScore],
+    settings: dict[str, Any],
+    validity: dict[str, Any] | None,
+) -> tuple[list[ItemScore], list[ItemScore], list[dict[str, Any]]]:
+    """Both scorings without the items of the categories ``validity`` marks invalid for ``rule``
+    under ``settings``, and what was kept out: per category, the items, the reference's accuracy
+    and the chance level (at full size, as the report measured them) and why."""
+    scoring = rule_scoring(rule, str(settings.get("scoring")))
+    invalid = invalid_categories(validity, rule, rule_settings(suite_settings(settings, rule), scoring))
+    if not invalid:
+        return baseline, candidate, []
+    category = categories_of(rule_suite(rule), str(settings.get("size")))
+    dropped = Counter(category.get(s.id) for s in baseline if category.get(s.id) in invalid)
+    kept_out = [
+        {"category": name, "items": count, **{k: invalid[name][k] for k in ("accuracy", "chance", "reason")}}
+        for name, count in sorted(dropped.items())
+    ]
+    base = [s for s in baseline if category.get(s.id) not in invalid]
+    cand = [s for s in candidate if category.get(s.id) not in invalid]
+    if not base:
+        raise GateError(
+            f"eval rule '{rule}': every item scored is of a category kept out as invalid "
+            f"({', '.join(sorted(dropped))}): raise eval.limit, or score another rule"
+        )
+    return base, cand, kept_out
 
 
 def check_suites(suites: Sequence[str], thresholds: dict[str, Any], known: Sequence[str]) -> None:

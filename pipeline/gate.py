@@ -39,6 +39,7 @@ SHORT_CALIBRATION = 8
 log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "eval"
 JSON_WHAT = "the gate record, --json"
+VALIDITY_WHAT = "the suite-validity report, --validity"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -58,6 +59,7 @@ def gate_fn(
     from evals.drift import DriftRule
     from evals.gate import run_gate
     from evals.stats import GateThresholds
+    from evals.validity import REPORT, read_report
 
     thresholds = {s: GateThresholds(t.max_drop, t.min_recovery) for s, t in config.thresholds.items()}
     family = config.family or family
@@ -77,6 +79,7 @@ def gate_fn(
         confidence=config.confidence,
         resamples=config.resamples,
         seed=config.seed,
+        validity=read_report(REPORT) if REPORT.is_file() else None,
     )
     warning = long_context_warning(config, candidate.path, calibrated)
     record["warnings"] = [warning] if warning else []
@@ -168,6 +171,34 @@ def eval_settings(config: EvalConfig, chat: bool) -> dict[str, Any]:
         "suites": {name: entry["sha256"] for name, entry in manifest["files"].items()},
         "lm_eval": importlib.metadata.version("lm-eval"),
     }
+
+
+def validity_report(config: EvalConfig, baseline: Artifact, cache: Path | None) -> dict[str, Any]:
+    """The suite-validity report (``evals.validity``) of the baseline's scores on every rule of
+    ``config``: those the gate just scored (read back from the cache, or scored again)."""
+    from evals.gate import cached_scores, rule_scoring, rule_suite, suite_settings
+    from evals.suites import load_suite
+    from evals.validity import build_report, rule_settings
+
+    chat = resolve_chat(config, baseline.path)
+    settings = eval_settings(config, chat)
+    scorer = score_fn(config, chat)
+    rules = {}
+    for rule in config.suites:
+        scores = cached_scores(scorer, baseline.path, baseline.digest, rule, settings, cache)
+        matched = rule_settings(suite_settings(settings, rule), rule_scoring(rule, settings["scoring"]))
+        items = load_suite(rule_suite(rule), str(config.size))
+        rules[rule] = (matched, items, {s.id: s.score for s in scores})
+    return build_report(rules, baseline.digest, config.confidence)
+
+
+def write_validity(path: Path, report: dict[str, Any]) -> None:
+    """The report to ``path`` and its table to stdout."""
+    from evals.validity import report_table, write_report
+
+    write_report(check_output_file(path, VALIDITY_WHAT), report)
+    print("\n".join(report_table(report)))
+    print(f"suite validity: written to {path}")
 
 
 def score_fn(config: EvalConfig, chat: bool) -> Callable[[Path, str], list[Any]]:
@@ -304,6 +335,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-kl", action="store_true", help="skip the held-out token drift (the gate cannot PASS without it)"
     )
     parser.add_argument("--json", type=Path, help="also write the gate record here")
+    parser.add_argument(
+        "--validity",
+        type=Path,
+        help="also write the suite-validity report of the baseline's scores here (--eval full; the "
+        "project's own: evals/data/suite_validity.json, of the default model's reference)",
+    )
     return parser.parse_args(argv)
 
 
@@ -315,8 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.json:  # before the gate runs: a FIFO, a link or a device there is never replaced
             check_output_file(args.json, JSON_WHAT)
+        if args.validity:
+            check_output_file(args.validity, VALIDITY_WHAT)
         config = load_eval_config(args.eval, list(args.set))
         check_eval(config)
+        if args.validity and (str(config.size) != "full" or config.limit is not None):
+            raise PipelineError(
+                "--validity: a category's validity is measured on all its items: use --eval full"
+            )
         baseline, _ = resolve_engine(args.baseline, "baseline")
         candidate, manifest = resolve_engine(args.candidate, "candidate")
         family = config.family or recorded_family(manifest, args.candidate)
@@ -326,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         record = gate_fn(
             candidate, baseline, config, quality, family, args.cache_dir, calibration_length(passes)
         )
+        if args.validity:
+            write_validity(args.validity, validity_report(config, baseline, args.cache_dir))
     except (PipelineError, OSError) as exc:  # GateError, SuiteError; a score cache not written
         return print_error(exc)
     except KeyboardInterrupt as exc:

@@ -279,8 +279,21 @@ def gate_table(gate: dict[str, Any]) -> Table:
     failures = [
         f"{suite}: {_failures_text(row)}" for suite, row in gate["suites"].items() if row.get("failures")
     ]
-    table.caption = " · ".join(failures) or None
+    kept_out = [
+        f"{suite}: {_kept_out_text(row)}" for suite, row in gate["suites"].items() if row.get("kept_out")
+    ]
+    table.caption = " · ".join(failures + kept_out) or None
     return table
+
+
+def _kept_out_text(row: dict[str, Any]) -> str:
+    """A rule's categories kept out of its verdict as invalid: ``irrelevance kept out (12 items;
+    reference 0.0% at full, chance 25.0%)``."""
+    return "; ".join(
+        f"{entry['category']} kept out ({entry['items']} items; reference {entry['accuracy']:.1%} at full, "
+        f"chance {entry['chance']:.1%})"
+        for entry in row["kept_out"]
+    )
 
 
 def _failures_text(row: dict[str, Any]) -> str:
@@ -302,6 +315,7 @@ def gate_verdict_lines(gate: dict[str, Any]) -> list[str]:
             f"{row['candidate_mean']:.1%}, difference {row['difference']:+.1%} "
             f"[{row['ci_low']:+.1%}, {row['ci_high']:+.1%}]: {row['verdict']}"
             + (f" (failed: {_failures_text(row)})" if row.get("failures") else "")
+            + (f" ({_kept_out_text(row)})" if row.get("kept_out") else "")
         )
     drift = gate.get("drift")
     if drift:

@@ -154,6 +154,9 @@ def test_a_folder_without_a_manifest_or_engine_is_one_line(
         (["--set", "limit=5", "resamples=0", "--set", "seed=1"], "--set resamples=0: eval.resamples=0"),
         (["--set", "limit=5", "bogus=1"], "--set bogus=1:"),
         (["--set", "limit=5", "--set"], "--set: expected at least one argument"),
+        # the suite-validity report is measured on every item of every category
+        (["--validity", "validity.json"], "--validity: a category's validity is measured on all its items"),
+        (["--eval", "full", "--set", "limit=5", "--validity", "validity.json"], "use --eval full"),
     ],
 )
 def test_gate_settings_mistakes_are_one_line(
