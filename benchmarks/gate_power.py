@@ -8,6 +8,8 @@ One run builds, with the real CLI (``python -m pipeline ... bench=none``, cached
 - ``int8-seed0`` / ``int8-seed1``: ``quant=int8`` with calibration seeds 0 and 1 (two builds of
   one recipe: the gate must PASS one against the other);
 - ``resaved``: the default checkpoint loaded and saved again (same weights, new files): PASS;
+- ``bf16``: the default checkpoint's weights rounded to bfloat16 and saved in float32 again (an
+  fp32 -> bf16 -> fp32 round trip, a benign rebuild): PASS;
 - ``int8-naive``: static W8A8 without SmoothQuant (its perplexity: ``benchmarks/README.md``): FAIL;
 - ``swapped``: decoder layers ``--swap`` and ``--swap``+1 exchanged in the checkpoint: FAIL;
 - ``window-<N>``: fp32, ``fusion=ort kv_cache=concat kv_cache.window=<N>`` (``--window``, default
@@ -88,6 +90,7 @@ BUILDS.update(
 PAIRS: dict[str, tuple[str, str, str, str]] = {
     "seeds": ("calibration seed 0 vs 1", "int8-seed0", "int8-seed1", "PASS"),
     "resaved": ("re-saved checkpoint", "none", "resaved", "PASS"),
+    "bf16": ("fp32 -> bf16 -> fp32 round trip", "none", "bf16", "PASS"),
     "int8-naive": ("naive static INT8 (no SmoothQuant)", "none", "int8-naive", "FAIL"),
     "swapped": ("two adjacent layers swapped", "none", "swapped", "FAIL"),
     "colder": ("logits x1.25 (final norm scaled): top-1 unchanged", "none", "colder", "FAIL"),
@@ -120,7 +123,8 @@ def modified_checkpoint(out: Path, name: str, args: argparse.Namespace) -> Path:
     keeps its index), ``colder`` scales the final norm by ``--temperature``, ``noisy`` adds
     seeded noise of ``--noise`` x each output row's RMS to every decoder linear weight,
     ``quotes`` unties the head and swaps its rows of each double-quote token and its
-    single-quote twin (:func:`quote_twins`); ``resaved`` changes nothing."""
+    single-quote twin (:func:`quote_twins`), ``bf16`` rounds every weight to bfloat16 and back
+    (saved in float32); ``resaved`` changes nothing."""
     import torch
 
     from pipeline.core.torch_model import load_causal_lm
@@ -145,6 +149,9 @@ def modified_checkpoint(out: Path, name: str, args: argparse.Namespace) -> Path:
                     weight = module.weight
                     rms = weight.pow(2).mean(dim=1, keepdim=True).sqrt()
                     weight.add_(torch.randn(weight.shape, generator=generator) * rms * args.noise)
+        elif name == "bf16":
+            for parameter in model.parameters():
+                parameter.copy_(parameter.to(torch.bfloat16).to(parameter.dtype))
         elif name == "quotes":
             from tokenizers import Tokenizer
 
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in sorted(needed):  # only the builds the chosen pairs need (each is cached)
         if name in BUILDS:
             runs[name] = build(name, ["model=llama", *BUILDS[name]], out)
-        elif name in ("resaved", "swapped", "colder", "noisy", "quotes"):
+        elif name in ("resaved", "bf16", "swapped", "colder", "noisy", "quotes"):
             checkpoint = modified_checkpoint(out, name, args)
             runs[name] = build(name, [f"model.path={checkpoint}", "quant=none"], out)
         else:
