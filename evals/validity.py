@@ -112,12 +112,20 @@ def judge_category(
     )
 
 
+def rule_items(items: Sequence[Item], scores: Mapping[str, float]) -> list[Item]:
+    """The items of the categories a rule scores: those with at least one item in ``scores``
+    (``tool_call_valid`` scores no ``irrelevance`` item; the rank rule does)."""
+    scored = {item.category for item in items if item.id in scores}
+    return [item for item in items if item.category in scored]
+
+
 def judge_rule(
     items: Sequence[Item], scores: Mapping[str, float], scoring: str, alpha: float
 ) -> dict[str, CategoryValidity]:
-    """Every category of one rule's ``items`` (category -> validity, in name order)."""
+    """Every category of one rule's ``items`` that it scores (category -> validity, in name
+    order); a category scored in part is an error."""
     groups: dict[str, list[Item]] = {}
-    for item in items:
+    for item in rule_items(items, scores):
         groups.setdefault(item.category, []).append(item)
     return {name: judge_category(name, groups[name], scores, scoring, alpha) for name in sorted(groups)}
 
@@ -129,7 +137,9 @@ def build_report(
 ) -> dict[str, Any]:
     """The report of the reference engine (content digest ``reference``): per rule, (its settings,
     as ``rule_settings`` gives them; its items at full size; the reference's scores by id)."""
-    tests = sum(len({item.category for item in items}) for _, items, _ in rules.values())
+    tests = sum(
+        len({item.category for item in rule_items(items, scores)}) for _, items, scores in rules.values()
+    )
     alpha = (1.0 - confidence) / max(tests, 1)
     report: dict[str, Any] = {
         "version": REPORT_VERSION,
@@ -230,6 +240,24 @@ def _same_settings(recorded: Mapping[str, Any], settings: Mapping[str, Any]) -> 
     return all(recorded.get(key) == settings.get(key) for key in MATCHED)
 
 
+def recorded_scores(report: Mapping[str, Any], rule: str, suite: str) -> dict[str, float]:
+    """The reference's score of each item of ``rule`` (scoring the items of ``suite``) as the
+    report recorded it, by item id."""
+    categories = report["rules"][rule]["categories"]
+    groups: dict[str, list[str]] = {}
+    for item in load_suite(suite, "full"):
+        groups.setdefault(item.category, []).append(item.id)
+    scores: dict[str, float] = {}
+    for name, record in categories.items():
+        ids = groups.get(name, [])
+        if record["n"] != len(ids):
+            raise ValidityError(
+                f"the report's {rule!r} holds {record['n']} items of {name!r}, the suite {len(ids)}"
+            )
+        scores.update(zip(sorted(ids), (float(bit) for bit in record["scores"]), strict=True))
+    return scores
+
+
 def categories_of(suite: str, size: str) -> dict[str, str]:
     """Item id -> category of a suite's items at ``size``."""
     return {item.id: item.category for item in load_suite(suite, size)}
@@ -243,9 +271,13 @@ def report_table(report: Mapping[str, Any]) -> list[str]:
             outcome = "valid" if record["valid"] else f"INVALID: {record['reason']}"
             lines.append(
                 f"{rule:<16} {name:<18} {record['correct']:>4}/{record['n']:<4} {record['accuracy']:>8.1%} "
-                f"{record['chance']:>7.1%} {record['p_value']:>9.2g}  {outcome}"
+                f"{record['chance']:>7.1%} {_p_text(record['p_value']):>9}  {outcome}"
             )
     return lines
+
+
+def _p_text(p_value: float) -> str:
+    return "<1e-15" if p_value < 1e-15 else f"{p_value:.2g}"
 
 
 def write_report(path: Path, report: Mapping[str, Any]) -> None:

@@ -10,21 +10,26 @@ from typing import Any
 import pytest
 from scipy.stats import binomtest
 
-from evals.gate import ItemScore, run_gate
+from evals.gate import ItemScore, rule_scoring, rule_suite, run_gate
 from evals.stats import FAIL, PASS, GateThresholds
-from evals.suites import load_suite
+from evals.suites import DATA_DIR, load_suite
+from evals.tasks.tool_valid import NO_CALL_CATEGORY
 from evals.validity import (
+    REPORT,
     ValidityError,
     above_chance_p,
     build_report,
     invalid_categories,
     item_chance,
     judge_category,
+    judge_rule,
     read_report,
+    recorded_scores,
     report_table,
     rule_settings,
     write_report,
 )
+from pipeline.config import EvalConfig
 from pipeline.summary import gate_table, gate_verdict_lines
 
 TOOL_CALL = load_suite("tool_call", "full")
@@ -163,3 +168,46 @@ def test_the_gate_keeps_invalid_categories_out_of_its_verdict(tmp_path: Path) ->
     shown = "irrelevance kept out (12 items; reference 0.0% at full, chance 25.0%)"
     assert shown in str(gate_table(record).caption)
     assert any(shown in line for line in gate_verdict_lines(record))
+
+
+# Default rules the report does not hold yet: long_context at full size takes over an hour on the
+# unfused fp32 reference on 2 cores (1200 ranked prompts of 1k-8k tokens); nothing of it is kept out.
+NOT_YET_MEASURED = {"long_context"}
+
+
+def test_the_projects_report_is_current_and_follows_from_its_scores() -> None:
+    """``evals/data/suite_validity.json`` was measured on the suites as they are (file hashes),
+    under the gate's default settings for the default model (rank scoring by acc_norm, its chat
+    format), holds every category of every default rule, and each outcome follows from the
+    reference's scores it records. Measure it again when this fails (docs/gate.md)."""
+    report = read_report(REPORT)
+    files = json.loads((DATA_DIR / "MANIFEST.json").read_text())["files"]
+    default = EvalConfig()
+    rules = [rule for rule in default.suites if rule not in NOT_YET_MEASURED]
+    assert sorted(report["rules"]) == sorted(rules)
+    expected = {rule: {item.category for item in load_suite(rule_suite(rule), "full")} for rule in rules}
+    if "tool_call_valid" in expected:  # its items are the calling ones
+        expected["tool_call_valid"] -= {NO_CALL_CATEGORY}
+    assert {rule: set(entry["categories"]) for rule, entry in report["rules"].items()} == expected
+    total = sum(len(categories) for categories in expected.values())
+    assert report["alpha"] == pytest.approx((1 - report["confidence"]) / total)
+    for rule in rules:
+        suite, entry = rule_suite(rule), report["rules"][rule]
+        current = {name: f["sha256"] for name, f in files.items() if name.split(".")[0] == suite}
+        scoring = rule_scoring(rule, str(default.scoring))
+        assert entry["settings"]["suites"] == current, f"{rule}: measured on other suite files"
+        assert entry["settings"] == rule_settings(
+            {"suites": current, "chat": True, "rank_metric": default.rank_metric}, scoring
+        )
+        judged = judge_rule(
+            load_suite(suite, "full"), recorded_scores(report, rule, suite), scoring, report["alpha"]
+        )
+        for name, validity in judged.items():
+            record = entry["categories"][name]
+            assert (validity.valid, validity.reason, validity.correct) == (
+                record["valid"],
+                record["reason"],
+                record["correct"],
+            )
+            assert validity.p_value == pytest.approx(record["p_value"], rel=1e-9, abs=1e-300)
+            assert validity.chance == pytest.approx(record["chance"])
