@@ -35,7 +35,9 @@ One run builds, with the real CLI (``python -m pipeline ... bench=none``, cached
 
 then runs ``python -m pipeline.gate`` on each pair and prints one table: pair, expectation, the
 verdict, per suite the difference with its 95% CI, McNemar p-value and outcome, the token-level
-drift (KL, top-1, perplexity ratio) with its outcome, and the seconds the gate took. "right?"
+drift (KL, top-1, perplexity ratio) with its outcome, and the seconds the gate took; per rule also
+the smallest drop it detects at its measured discordance (the detectable effect) and the
+categories the suite-validity report keeps out. "right?"
 is yes when the verdict is the expected one, "safe" when a planted regression came out
 INCONCLUSIVE (not shipped, but not shown either), NO otherwise.
 
@@ -281,13 +283,7 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         if row["status"] != "ok":
             table.add_row(row["pair"], row["expected"], row["status"], row.get("note", ""), "", "", "-")
             continue
-        cells = [
-            f"{suite}: {r['difference']:+.1%} [{r['ci_low']:+.1%}, {r['ci_high']:+.1%}] "
-            f"(p {r['p_value']:.2g}) {r['verdict']}"
-            if r.get("p_value") is not None
-            else f"{suite}: {r['difference']:+.1%} {r['verdict']}"
-            for suite, r in row["suites"].items()
-        ]
+        cells = [suite_cell(suite, r) for suite, r in row["suites"].items()]
         drift = row.get("drift") or {}
         measured = drift.get("measured")
         token = (
@@ -306,6 +302,22 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             right(row),
         )
     Console().print(table)
+
+
+def suite_cell(suite: str, row: dict[str, Any]) -> str:
+    """One rule of a gate: its difference with CI and McNemar p, outcome, the smallest drop it
+    detects at its measured discordance (80% power), and the categories kept out as invalid."""
+    text = f"{suite}: {row['difference']:+.1%}"
+    if row.get("p_value") is not None:
+        text += f" [{row['ci_low']:+.1%}, {row['ci_high']:+.1%}] (p {row['p_value']:.2g})"
+    text += f" {row['verdict']}"
+    sized = row.get("resolution")
+    if sized:
+        text += f"; detects {sized['minimum_detectable_drop']:.1%}"
+    kept_out = [entry["category"] for entry in row.get("kept_out") or []]
+    if kept_out:
+        text += f"; kept out: {', '.join(kept_out)}"
+    return text
 
 
 def right(row: dict[str, Any]) -> str:

@@ -91,3 +91,31 @@ def test_quote_twins_pairs_each_double_quote_token_with_its_single_quote_spellin
 )  # fmt: skip
 def test_right_reads_the_three_outcomes(expected: str, verdict: str, answer: str) -> None:
     assert gate_power.right({"expected": expected, "verdict": verdict}) == answer
+
+
+def test_bf16_rounds_every_weight_to_bfloat16_and_saves_float32(
+    monkeypatch: pytest.MonkeyPatch, tiny_llama: Path, tmp_path: Path
+) -> None:
+    import torch
+
+    original, rounded = edited(monkeypatch, tiny_llama, tmp_path, "bf16")
+    moved = 0
+    for (name, before), (_, after) in zip(
+        original.named_parameters(), rounded.named_parameters(), strict=True
+    ):
+        assert after.dtype == torch.float32, name
+        assert torch.equal(after, before.to(torch.bfloat16).float()), name  # exactly the rounded value
+        moved += int(not torch.equal(after, before))
+    assert moved > 0  # the tiny model's float32 weights are not all bfloat16 values already
+
+
+def test_a_rules_cell_shows_its_detectable_drop_and_what_was_kept_out() -> None:
+    row = {
+        "difference": -0.02, "ci_low": -0.05, "ci_high": 0.0, "p_value": 0.3, "verdict": "INCONCLUSIVE",
+        "resolution": {"minimum_detectable_drop": 0.083}, "kept_out": [{"category": "irrelevance"}],
+    }  # fmt: skip
+    assert gate_power.suite_cell("tool_call", row) == (
+        "tool_call: -2.0% [-5.0%, +0.0%] (p 0.3) INCONCLUSIVE; detects 8.3%; kept out: irrelevance"
+    )
+    same = {"difference": 0.0, "p_value": None, "verdict": "PASS", "resolution": None}
+    assert gate_power.suite_cell("reasoning", same) == "reasoning: +0.0% PASS"
