@@ -90,8 +90,9 @@ def judge_category(
     if any(bit not in (0.0, 1.0) for bit in bits):
         raise ValidityError(f"category {category!r}: validity needs 0/1 scores")
     n, correct = len(bits), int(sum(bits))
-    chance = float(np.mean([item_chance(item, scoring) for item in ordered]))
-    p_value = above_chance_p(correct, [item_chance(item, scoring) for item in ordered])
+    chances = [item_chance(item, scoring) for item in ordered]
+    chance = float(np.mean(chances))
+    p_value = above_chance_p(correct, chances)
     reason = ""
     if p_value >= alpha:
         reason = (
