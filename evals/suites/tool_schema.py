@@ -47,9 +47,10 @@ class CallValidity:
         return self.ok
 
 
-def reply_schema(functions: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def reply_schema(functions: Sequence[Mapping[str, Any]], min_calls: int = 0) -> dict[str, Any]:
     """The JSON Schema of a reply that calls ``functions`` (the offered schemas, as in an item's
-    ``meta["functions"]``): a list of calls, each matching one offered function."""
+    ``meta["functions"]``): a list of at least ``min_calls`` calls, each matching one offered
+    function."""
     calls = [
         {
             "type": "object",
@@ -58,7 +59,7 @@ def reply_schema(functions: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         }
         for f in functions
     ]
-    return {"type": "array", "items": {"anyOf": calls} if calls else False}
+    return {"type": "array", "items": {"anyOf": calls} if calls else False, "minItems": min_calls}
 
 
 def _first_json(reply: str) -> Any:
@@ -100,14 +101,15 @@ def _schema_reason(
     return "" if error is None else f"{'/'.join(str(p) for p in error.path) or 'reply'}: {error.message}"
 
 
-def check_calls(reply: str, functions: Sequence[Mapping[str, Any]]) -> CallValidity:
-    """Parse ``reply``'s calls with ``json`` and validate them against ``functions``."""
+def check_calls(reply: str, functions: Sequence[Mapping[str, Any]], min_calls: int = 0) -> CallValidity:
+    """Parse ``reply``'s calls with ``json`` and validate them against ``functions``; fewer than
+    ``min_calls`` calls (``[]`` where the request needs a call) is a schema failure."""
     try:
         value = _first_json(reply)
     except ValueError as error:
         return CallValidity(False, PARSE, str(error))
     try:
-        validator = Draft202012Validator(reply_schema(functions))
+        validator = Draft202012Validator(reply_schema(functions, min_calls))
         validator.check_schema(validator.schema)
     except SchemaError as error:  # an offered schema that is not a JSON Schema: a suite bug
         raise ValueError(f"the offered functions are not valid JSON Schema: {error.message}") from error

@@ -4,8 +4,10 @@ Each item of the ``tool_call`` suite that expects calls (simple, multiple, paral
 ``irrelevance``) is put to the model with the suite's own prompt, after two worked examples of
 the answer format; the greedy reply is parsed with ``json`` and validated against the offered
 functions with ``jsonschema`` (``evals.suites.tool_schema.check_calls``). An item scores 1 when
-its reply holds a valid, schema-correct call list; the ``parsed`` metric says whether its JSON
-parsed at all, so the gate reports parse and schema failures apart.
+its reply holds a valid, schema-correct call list of at least one call (every scored item's
+request needs one: ``[]`` is valid JSON, but a program given it does nothing the user asked);
+the ``parsed`` metric says whether its JSON parsed at all, so the gate reports parse and schema
+failures apart.
 
 Why worked examples (lm-eval's few-shot, ``fewshot_split: demos``): with the prompt alone the
 default model (SmolLM2-135M-Instruct) answers in prose or Python and writes no JSON call in 36
@@ -16,6 +18,13 @@ changes the items, and the gate refuses to pair scores across the change.
 
 The rank-scored ``tool_call`` suite measures which call the model prefers among written ones;
 this task measures whether the model can write one, which damage to JSON punctuation breaks.
+
+Why ``irrelevance`` is not scored here (its right reply is ``[]``): the default model never
+writes it. On the 12 quick irrelevance items its greedy reply is a call, or prose, never ``[]``,
+with these two examples and with a third that answers an unfitting request with ``[]`` (0 of 12
+either way, measured 2026-12-07); and where it writes no call at all (3 of 12) it does as often
+on the items that need one (10 of 36), so "the reply holds no call" would not tell engines
+apart either. The rank task scores the category, and the validity report keeps it out.
 """
 
 from __future__ import annotations
@@ -73,6 +82,9 @@ DEMOS: tuple[tuple[list[dict[str, Any]], str, list[dict[str, Any]]], ...] = (
     ),
 )
 DEMOS_HASH = sha256_text(canonical_json([list(demo) for demo in DEMOS]))
+# What an item's score means, part of its hash like the examples: scores of an earlier check
+# (which let ``[]`` pass) are never paired with this one's.
+CHECK = "json, then jsonschema of the offered functions; at least one call"
 
 
 def demo_docs() -> list[dict[str, Any]]:
@@ -90,7 +102,7 @@ def _docs(size: str) -> tuple[dict[str, Any], ...]:
         if item.category == NO_CALL_CATEGORY:
             continue
         doc = to_doc(item)
-        doc["hash"] = sha256_text(doc["hash"] + DEMOS_HASH)  # the examples are part of the item
+        doc["hash"] = sha256_text(doc["hash"] + DEMOS_HASH + CHECK)  # the examples and the check too
         doc["match"] = "valid"
         docs.append(doc)
     return tuple(docs)
@@ -107,8 +119,8 @@ def load(size: str = "full", **_: Any) -> dict[str, datasets.Dataset]:
 
 
 def process_results(doc: dict[str, Any], results: list[str]) -> dict[str, float]:
-    """``acc``: the reply's calls are valid JSON and match the offered schemas; ``parsed``: the
-    reply's JSON parsed (a schema failure parsed, a parse failure did not)."""
+    """``acc``: the reply's calls, at least one, are valid JSON and match the offered schemas;
+    ``parsed``: the reply's JSON parsed (a schema failure parsed, a parse failure did not)."""
     _, meta = decode(doc)
-    result = check_calls(results[0], meta["functions"])
+    result = check_calls(results[0], meta["functions"], min_calls=1)
     return {"acc": float(result.ok), "parsed": float(result.ok or result.failure == SCHEMA)}

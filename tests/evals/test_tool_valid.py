@@ -62,6 +62,8 @@ def test_replies_score_valid_schema_failure_or_parse_failure() -> None:
     wrong_type[0]["arguments"][name] = [value]
     assert process_results(doc, [json.dumps(wrong_type)]) == {"acc": 0.0, "parsed": 1.0}
     assert process_results(doc, ["I would call the function."]) == {"acc": 0.0, "parsed": 0.0}
+    # "[]" parses, but an item whose request needs a call is not answered by none
+    assert process_results(doc, ["[]"]) == {"acc": 0.0, "parsed": 1.0}
 
 
 def test_the_task_puts_both_examples_before_the_item(tmp_path: Path) -> None:

@@ -23,7 +23,10 @@ def test_a_valid_call_list_passes_with_prose_around_it() -> None:
     assert check_calls(RIGHT, [CONVERT, WEATHER])
     assert check_calls(f"Sure:\n```json\n{RIGHT}\n```\nAnything else?", [CONVERT])
     assert check_calls(RIGHT + '\nRequest: and [{"name": broken', [CONVERT])  # the decode ran on
-    assert check_calls("[]", [CONVERT])  # no call is a valid reply
+    assert check_calls("[]", [CONVERT])  # no call is a valid reply, unless a call is needed:
+    needed = check_calls("[]", [CONVERT], min_calls=1)
+    assert needed.failure == SCHEMA and "should be non-empty" in needed.reason, needed
+    assert check_calls(RIGHT, [CONVERT], min_calls=1)
     assert check_calls(RIGHT[1:-1], [CONVERT])  # one call as a bare object, as serving parsers read it
     for stray in ("]", " }", ",", "\n:"):
         assert check_calls(RIGHT + stray, [CONVERT]).failure == PARSE, stray
