@@ -173,23 +173,81 @@ def eval_settings(config: EvalConfig, chat: bool) -> dict[str, Any]:
     }
 
 
-def validity_report(config: EvalConfig, baseline: Artifact, cache: Path | None) -> dict[str, Any]:
+def validity_report(
+    config: EvalConfig, baseline: Artifact, cache: Path | None, earlier: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The suite-validity report (``evals.validity``) of the baseline's scores on every rule of
-    ``config``: those the gate just scored (read back from the cache, or scored again)."""
+    ``config``: those the gate just scored (read back from the cache, or scored again). The rules
+    of an ``earlier`` report that ``config`` does not score are kept, with their recorded scores,
+    where it measured this baseline under today's settings (``kept_rules``): one rule can be
+    measured at a time (``--set suites=[long_context]``), and every category is judged again at
+    the level of the whole report."""
     from evals.gate import cached_scores, rule_scoring, rule_suite, suite_settings
     from evals.suites import load_suite
-    from evals.validity import build_report, rule_settings
+    from evals.validity import build_report, recorded_scores, rule_settings
 
     chat = resolve_chat(config, baseline.path)
     settings = eval_settings(config, chat)
     scorer = score_fn(config, chat)
+
+    def matched(rule: str) -> dict[str, Any]:
+        return rule_settings(suite_settings(settings, rule), rule_scoring(rule, settings["scoring"]))
+
     rules = {}
+    for rule in kept_rules(earlier, config.suites, baseline.digest, matched):
+        suite = rule_suite(rule)
+        rules[rule] = (matched(rule), load_suite(suite, "full"), recorded_scores(earlier or {}, rule, suite))
     for rule in config.suites:
         scores = cached_scores(scorer, baseline.path, baseline.digest, rule, settings, cache)
-        matched = rule_settings(suite_settings(settings, rule), rule_scoring(rule, settings["scoring"]))
         items = load_suite(rule_suite(rule), str(config.size))
-        rules[rule] = (matched, items, {s.id: s.score for s in scores})
+        rules[rule] = (matched(rule), items, {s.id: s.score for s in scores})
     return build_report(rules, baseline.digest, config.confidence)
+
+
+def kept_rules(
+    earlier: dict[str, Any] | None,
+    scored: list[str],
+    reference: str,
+    matched: Callable[[str], dict[str, Any]],
+) -> list[str]:
+    """The rules of an ``earlier`` report to keep beside those ``scored`` now: each one it holds
+    for the same ``reference`` under today's settings (``matched(rule)``: suite files, scoring,
+    rank metric, chat). What is not kept is printed, with why."""
+    if not earlier:
+        return []
+    others = [rule for rule in earlier["rules"] if rule not in scored]
+    if others and earlier.get("reference") != reference:
+        print(f"suite validity: {', '.join(others)} not kept: the earlier report measured another reference")
+        return []
+    kept = []
+    for rule in others:
+        if earlier["rules"][rule]["settings"] == matched(rule):
+            kept.append(rule)
+        else:
+            print(
+                f"suite validity: {rule} not kept: its suite or settings changed since; "
+                "add it to --set suites=[...]"
+            )
+    if kept:
+        print(
+            f"suite validity: {', '.join(kept)} kept from the earlier report "
+            "(the same reference and settings)"
+        )
+    return kept
+
+
+def earlier_report(path: Path) -> dict[str, Any] | None:
+    """The report at ``path`` that a new one replaces (None: none there, or unreadable: then it is
+    only replaced, with a notice)."""
+    from evals.validity import ValidityError, read_report
+
+    if not path.exists():
+        return None
+    try:
+        return read_report(path)
+    except ValidityError as exc:
+        print(f"suite validity: the earlier report is replaced, nothing kept from it ({first_line(exc)})")
+        return None
 
 
 def write_validity(path: Path, report: dict[str, Any]) -> None:
@@ -339,7 +397,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--validity",
         type=Path,
         help="also write the suite-validity report of the baseline's scores here (--eval full; the "
-        "project's own: evals/data/suite_validity.json, of the default model's reference)",
+        "project's own: evals/data/suite_validity.json, of the default model's reference); the rules "
+        "of the report already there that are not scored now are kept, for the same reference and settings",
     )
     return parser.parse_args(argv)
 
@@ -370,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
             candidate, baseline, config, quality, family, args.cache_dir, calibration_length(passes)
         )
         if args.validity:
-            write_validity(args.validity, validity_report(config, baseline, args.cache_dir))
+            earlier = earlier_report(args.validity)
+            write_validity(args.validity, validity_report(config, baseline, args.cache_dir, earlier))
     except (PipelineError, OSError) as exc:  # GateError, SuiteError; a score cache not written
         return print_error(exc)
     except KeyboardInterrupt as exc:

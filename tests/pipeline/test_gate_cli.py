@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.core.artifacts import folder_digest, write_json
 from pipeline.core.errors import EngineError, PipelineError
-from pipeline.gate import load_eval_config, main, resolve_engine
+from pipeline.gate import earlier_report, kept_rules, load_eval_config, main, resolve_engine
 from pipeline.manifest import engine_files
 from tests.pipeline.registry.conftest import engine_spec, tiny_graph_bytes
 
@@ -243,3 +243,34 @@ def test_an_engine_json_field_out_of_range_is_refused_before_scoring(
     code, lines = _gate(capsys, "--baseline", str(base), "--candidate", str(cand))
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("error: --candidate: ") and "intra_op_num_threads" in lines[0], lines
+
+
+def test_a_new_validity_report_keeps_the_earlier_rules_not_scored_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One rule can be measured at a time (``--set suites=[long_context]``): the rules of the
+    report already written are kept where it measured the same reference under today's settings."""
+    from evals.suites import load_suite
+    from evals.validity import build_report, rule_settings, write_report
+
+    items = load_suite("tool_call", "full")
+    matched = rule_settings(
+        {"suites": {"tool_call.jsonl": "h"}, "chat": True, "rank_metric": "acc_norm"}, "rank"
+    )
+    scores = {item.id: float(n % 2) for n, item in enumerate(items)}
+    earlier = build_report({"tool_call": (matched, items, scores)}, "ref", confidence=0.95)
+    path = tmp_path / "validity.json"
+    write_report(path, earlier)
+    assert earlier_report(path) == earlier
+    today = lambda rule: matched  # noqa: E731
+    assert kept_rules(earlier, ["long_context"], "ref", today) == ["tool_call"]
+    assert "tool_call kept from the earlier report" in capsys.readouterr().out
+    assert kept_rules(earlier, ["tool_call"], "ref", today) == []  # scored again now
+    assert kept_rules(earlier, ["long_context"], "another", today) == []
+    assert "tool_call not kept: the earlier report measured another reference" in capsys.readouterr().out
+    assert kept_rules(earlier, ["long_context"], "ref", lambda rule: {**matched, "chat": False}) == []
+    assert "tool_call not kept: its suite or settings changed" in capsys.readouterr().out
+    assert kept_rules(None, ["long_context"], "ref", today) == []
+    path.write_text("{not json")
+    assert earlier_report(path) is None and "nothing kept from it" in capsys.readouterr().out
+    assert earlier_report(tmp_path / "absent.json") is None
