@@ -258,8 +258,13 @@ def run_gate(
     token-level drift of ``quality`` (the held-out comparison with the reference) by the rule of
     the recipe's family (``drift``: family, rule; None: the suites alone); the record the run
     manifest keeps as ``gate``. ``settings`` (suite size, scoring, ...) key the score cache.
-    ``validity``: the suite-validity report (``evals.validity``); the items of a category it
-    marks invalid are kept out of the verdict, and each row lists them (``kept_out``)."""
+    ``validity``: the suite-validity report (``evals.validity``) of the reference engine it
+    names; where that is the baseline, the items of a category it marks invalid are kept out of
+    the verdict, and each row lists them (``kept_out``). It describes what one model can do: the
+    default model's report says nothing of another checkpoint's categories."""
+    if validity is not None and validity.get("reference") != baseline[1]:
+        log.info("gate: the suite-validity report measured another reference: no category is kept out")
+        validity = None
     rows: dict[str, dict[str, Any]] = {}
     for number, suite in enumerate(suites, start=1):
         # A line as each suite starts and ends: scoring a long suite takes minutes on a loaded host.
